@@ -1,0 +1,183 @@
+"""Public entry points: :func:`attention` (dense) and :func:`varlen_attention` (packed).
+
+Each call is served by cuDNN when it can be, else by the exact PyTorch path, which is counted in
+:func:`cudnn_attention.stats`, warned about once per reason, and refused in strict mode.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import validation
+from .cudnn_ops import cudnn_forward, resolve_cudnn
+from .masking import make_mask_spec
+from .policy import note_fallback
+from .reference import dense_reference, varlen_reference
+
+__all__ = ["attention", "varlen_attention"]
+
+
+class _CountFallbackBackward(torch.autograd.Function):
+    """Identity whose backward records that the fallback served the gradient too."""
+
+    @staticmethod
+    def forward(ctx, out, reason):
+        ctx.reason = reason
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        note_fallback("backward", ctx.reason)
+        return grad_out, None
+
+
+def _needs_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def _fallback_output(out, reason, needs_grad):
+    note_fallback("forward", reason)
+    return _CountFallbackBackward.apply(out, reason) if needs_grad else out
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: float | None = None,
+    causal: bool = False,
+    bottom_right: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    sinks: torch.Tensor | None = None,
+    seqlens_q: torch.Tensor | None = None,
+    seqlens_kv: torch.Tensor | None = None,
+    return_lse: bool = False,
+    validate: bool = False,
+):
+    """Scaled dot-product attention over dense (B, H, S, D) tensors, on cuDNN when it can serve the call.
+
+    Args:
+        q, k, v: (B, H_q, S_q, D), (B, H_kv, S_kv, D), (B, H_kv, S_kv, D_v); any B/H/S stride order
+            with the head dim innermost (transposed views of (B, S, H, D) are served without a copy).
+            H_q must be a multiple of H_kv (GQA/MQA; K/V are not repeated).
+        scale: softmax scale, default ``1 / sqrt(D)``.
+        causal: hide future keys (``window_size`` right bound 0).
+        bottom_right: anchor the causal/window diagonal at the last query and key (decode with a
+            KV cache, S_q < S_kv); per sequence when lengths are given. No effect without a band.
+        window_size: ``(left, right)``, FlashAttention's convention: query i sees key j iff
+            ``i - left <= j <= i + right``; -1 leaves a side unbounded.
+        sinks: (H_q,) learnable logits, any float dtype (gpt-oss): each adds ``exp(sink_h)`` to its
+            head's softmax denominator and carries no value. Differentiable.
+        seqlens_q, seqlens_kv: (B,) int valid lengths of a right-padded batch. Output rows past a
+            length are zero and get zero gradient; keys past a length are never attended.
+        return_lse: also return the log-sum-exp (B, H_q, S_q) in float32, sink included, ``-inf``
+            for padded or fully masked rows. Not differentiable.
+        validate: also check lengths against the shapes on the host. This synchronizes with the
+            device, so it is off by default.
+
+    Returns:
+        ``out`` (B, H_q, S_q, D_v) in q's dtype and layout, or ``(out, lse)``.
+
+    Raises:
+        TypeError, ValueError: bad input, before any kernel runs.
+        StrictModeError: in strict mode, when cuDNN cannot serve the call.
+    """
+    q, k, v = validation.check_qkv(q, k, v, packed=False)
+    mask = make_mask_spec(causal=causal, bottom_right=bottom_right, window_size=window_size)
+    scale = validation.resolve_scale(scale, q.shape[-1])
+    sinks = validation.check_sinks(sinks, q, q.shape[1])
+    B, S_q, S_kv = q.shape[0], q.shape[2], k.shape[2]
+    seqlens_q = validation.check_seqlens(seqlens_q, "seqlens_q", B, q.device)
+    seqlens_kv = validation.check_seqlens(seqlens_kv, "seqlens_kv", B, q.device)
+    if validate:
+        for name, lengths, limit in (("seqlens_q", seqlens_q, S_q), ("seqlens_kv", seqlens_kv, S_kv)):
+            if lengths is not None:
+                validation.validate_seqlens(lengths, name, limit)
+    padded = seqlens_q is not None or seqlens_kv is not None
+    if padded:
+        # cuDNN takes both lengths as int32; an absent side is the full length.
+        seqlens_q = seqlens_q.to(torch.int32) if seqlens_q is not None else torch.full((B,), S_q, dtype=torch.int32, device=q.device)
+        seqlens_kv = seqlens_kv.to(torch.int32) if seqlens_kv is not None else torch.full((B,), S_kv, dtype=torch.int32, device=q.device)
+    needs_grad = _needs_grad(q, k, v, sinks)
+    need_lse = return_lse or needs_grad
+
+    graph, reason = (None, "empty inputs") if _is_empty(q, k) else resolve_cudnn(
+        q, k, v, has_sinks=sinks is not None, padded=padded, cu_seqlens_q=None, max_seqlen_q=S_q, max_seqlen_kv=S_kv,
+        scale=scale, left=mask.left, right=mask.right, bottom_right=mask.bottom_right, need_lse=need_lse, needs_grad=needs_grad,
+    )  # fmt: skip
+    if reason is None:
+        out, lse = cudnn_forward(
+            graph, q, k, v, sinks=None if sinks is None else sinks.to(torch.float32), seqlens_q=seqlens_q, seqlens_kv=seqlens_kv,
+            cu_seqlens_q=None, cu_seqlens_kv=None, max_seqlen_q=S_q, max_seqlen_kv=S_kv, scale=scale, mask=mask, need_lse=need_lse,
+            needs_grad=needs_grad,
+        )  # fmt: skip
+    else:
+        out, lse = dense_reference(q, k, v, scale=scale, mask=mask, sinks_H=sinks, seqlens_q_B=seqlens_q, seqlens_kv_B=seqlens_kv)
+        out = _fallback_output(out, reason, needs_grad)
+    return (out, lse) if return_lse else out
+
+
+def varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_kv: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_kv: int,
+    *,
+    scale: float | None = None,
+    causal: bool = False,
+    bottom_right: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    sinks: torch.Tensor | None = None,
+    return_lse: bool = False,
+    validate: bool = False,
+):
+    """Attention over packed documents: (T, H, D) tensors and int32/int64 prefix sums of lengths.
+
+    Document b holds tokens ``cu_seqlens[b]:cu_seqlens[b + 1]`` of each side; no token attends
+    outside its document. ``max_seqlen_*`` (Python ints) bound the longest document. Tokens past
+    ``cu_seqlens[-1]`` (a capacity tail) get a zero output and zero gradient. Options as in
+    :func:`attention`, applied per document (``bottom_right`` aligns each document's last query
+    with its last key).
+
+    ``validate=True`` checks on the host that the prefix sums start at 0, never decrease, end
+    within T and respect ``max_seqlen_*``. It synchronizes with the device, so it is off by default.
+
+    Returns:
+        ``out`` (T_q, H_q, D_v), or ``(out, lse)`` with ``lse`` (T_q, H_q) float32.
+    """
+    q, k, v = validation.check_qkv(q, k, v, packed=True)
+    validation.check_cu_seqlens(cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, q.device)
+    mask = make_mask_spec(causal=causal, bottom_right=bottom_right, window_size=window_size)
+    scale = validation.resolve_scale(scale, q.shape[-1])
+    sinks = validation.check_sinks(sinks, q, q.shape[1])
+    if validate:
+        validation.validate_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", q.shape[0], max_seqlen_q)
+        validation.validate_cu_seqlens(cu_seqlens_kv, "cu_seqlens_kv", k.shape[0], max_seqlen_kv)
+    needs_grad = _needs_grad(q, k, v, sinks)
+    need_lse = return_lse or needs_grad
+
+    graph, reason = (None, "empty inputs") if _is_empty(q, k) else resolve_cudnn(
+        q, k, v, has_sinks=sinks is not None, padded=False, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q,
+        max_seqlen_kv=max_seqlen_kv, scale=scale, left=mask.left, right=mask.right, bottom_right=mask.bottom_right,
+        need_lse=need_lse, needs_grad=needs_grad,
+    )  # fmt: skip
+    if reason is None:
+        out, lse = cudnn_forward(
+            graph, q, k, v, sinks=None if sinks is None else sinks.to(torch.float32), seqlens_q=None, seqlens_kv=None,
+            cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv, max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv,
+            scale=scale, mask=mask, need_lse=need_lse, needs_grad=needs_grad,
+        )  # fmt: skip
+    else:
+        out, lse = varlen_reference(
+            q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, scale=scale, mask=mask, sinks_H=sinks
+        )
+        out = _fallback_output(out, reason, needs_grad)
+    return (out, lse) if return_lse else out
+
+
+def _is_empty(q: torch.Tensor, k: torch.Tensor) -> bool:
+    return q.numel() == 0 or k.numel() == 0

@@ -1,0 +1,330 @@
+"""cuDNN frontend graphs for attention: specs, building, a bounded cache, handles and execution.
+
+One graph per :class:`GraphSpec` (everything that changes the graph: dtype, dims, strides, scale,
+mask, flags, device). Building happens once per spec; a spec cuDNN rejects is remembered, so the
+caller can fall back without asking again. Execution binds pointers straight into the lowered
+backend plan when the frontend exposes it (about 9 us per call on an H200 against 12 us for the
+public ``pygraph.execute``); set ``CUDNN_ATTENTION_PUBLIC_EXECUTE=1`` to force the public path.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import OrderedDict
+from typing import NamedTuple
+
+import torch
+
+from .masking import MaskSpec
+
+__all__ = ["GraphRejected", "GraphSpec", "clear_cache", "execute", "frontend_unavailable_reason", "get_graph", "graph_for_call"]
+
+_CACHE_CAPACITY = 512
+
+
+class GraphRejected(RuntimeError):
+    """cuDNN cannot build this graph on this GPU with the installed libraries."""
+
+
+class GraphSpec(NamedTuple):
+    """Everything that changes a cuDNN attention graph. Strides are (B, H, S, D) descriptor strides;
+    for packed tensors ``batch``/``seq_*`` are bucketed upper bounds and ragged offsets locate documents."""
+
+    direction: str  # "forward" | "backward"
+    device_index: int
+    dtype: torch.dtype
+    batch: int
+    heads_q: int
+    heads_kv: int
+    seq_q: int
+    seq_kv: int
+    dim_qk: int
+    dim_v: int
+    q_strides: tuple
+    k_strides: tuple
+    v_strides: tuple
+    o_strides: tuple  # also dO's in the backward
+    grad_strides: tuple  # (dq, dk, dv) strides in the backward, () in the forward
+    scale: float
+    left: int
+    right: int
+    bottom_right: bool
+    sinks: bool  # forward only: the backward gets dSink from an identity, not from the graph
+    padded: bool
+    packed: bool
+    need_lse: bool
+    total_q: int  # backward, packed: bucketed token counts that size cuDNN's dQ accumulator
+    total_kv: int
+    deterministic: bool
+
+
+class _UID:
+    Q, K, V, SINKS, SEQ_Q, SEQ_KV = 1, 2, 3, 4, 5, 6
+    O, STATS = 100, 101
+    DO, DQ, DK, DV = 200, 201, 202, 203
+    FIRST_RAGGED = 300
+
+
+class CompiledGraph:
+    """A built graph plus what a call needs: operand uids in call order and ragged offset columns."""
+
+    __slots__ = ("graph", "workspace_size", "uids", "ragged_columns", "lowered", "cpp_index", "batch", "out_strides")
+
+    def __init__(self, spec: GraphSpec, graph, workspace_size, uids, ragged_columns):
+        self.graph = graph
+        self.batch = spec.batch  # packed: the bucketed document count the offsets are padded to
+        self.out_strides = None if spec.packed else spec.o_strides  # dense: O's strides, decided once
+        self.workspace_size = workspace_size
+        self.uids = uids
+        # ((side, token_stride), ...): each column is cu_seqlens_<side> * token_stride, in uid order.
+        self.ragged_columns = ragged_columns
+        self.lowered = None
+        self.cpp_index = None
+        if os.environ.get("CUDNN_ATTENTION_PUBLIC_EXECUTE", "0") != "1" and graph.selected_engine is None:
+            lowered = getattr(graph, "_lowered_graph", None)
+            plan = graph._materialize_backend_plan(graph._plan_index) if graph._plans else None
+            if lowered is not None and plan is not None and plan.cpp_index is not None and hasattr(lowered, "_execute_plan_at_index"):
+                self.lowered, self.cpp_index = lowered, plan.cpp_index
+
+    @property
+    def plan_name(self) -> str:
+        return self.graph.get_plan_name_at_index(self.graph._plan_index)
+
+
+# ----------------------------------------------------------------------------------------------
+# Frontend, handles and streams
+# ----------------------------------------------------------------------------------------------
+
+_frontend = None
+_frontend_error: str | None = None
+
+
+def _load_frontend():
+    global _frontend, _frontend_error
+    if _frontend is None and _frontend_error is None:
+        try:
+            import cudnn
+
+            _frontend = cudnn
+        except Exception as exc:  # noqa: BLE001 - any import failure means "not usable here"
+            _frontend_error = f"cuDNN frontend not importable ({type(exc).__name__}: {exc})"
+    return _frontend
+
+
+def frontend_unavailable_reason() -> str | None:
+    """``None`` when ``import cudnn`` works, else why not (cached after the first try)."""
+    _load_frontend()
+    return _frontend_error
+
+
+_thread_state = threading.local()
+
+
+def _bound_handle(device_index: int):
+    """This thread's cuDNN handle for the device, bound to torch's current stream.
+
+    cuDNN handles are not thread-safe, hence one per thread; the stream is rebound only when it
+    changes (``set_stream`` costs about 5 us).
+    """
+    handles = getattr(_thread_state, "handles", None)
+    if handles is None:
+        handles = _thread_state.handles = {}
+    entry = handles.get(device_index)
+    if entry is None:
+        with torch.cuda.device(device_index):
+            entry = handles[device_index] = [_load_frontend().create_handle(), None]
+    stream = torch._C._cuda_getCurrentRawStream(device_index)
+    if entry[1] != stream:
+        _frontend.set_stream(handle=entry[0], stream=stream)
+        entry[1] = stream
+    return entry[0]
+
+
+# ----------------------------------------------------------------------------------------------
+# Cache
+# ----------------------------------------------------------------------------------------------
+
+_cache: OrderedDict = OrderedDict()  # GraphSpec -> CompiledGraph | GraphRejected
+_build_lock = threading.Lock()
+# Raw call signature (shapes, strides, options as the caller passed them) -> the same entries.
+# Deriving a GraphSpec costs a few microseconds; a signature is a handful of attribute reads.
+_by_call: dict = {}
+_CALL_MEMO_CAPACITY = 4096
+
+
+def get_graph(spec: GraphSpec) -> CompiledGraph:
+    """The compiled graph for ``spec``, building it on first use. Raises :class:`GraphRejected`."""
+    entry = _cache.get(spec)
+    if entry is None:
+        with _build_lock:
+            entry = _cache.get(spec)
+            if entry is None:
+                try:
+                    entry = _build(spec)
+                except Exception as exc:  # noqa: BLE001 - every build failure is a verdict to cache
+                    message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                    entry = GraphRejected(f"cuDNN rejected the {spec.direction} graph: {message[:200]}")
+                _cache[spec] = entry
+                while len(_cache) > _CACHE_CAPACITY:
+                    _cache.popitem(last=False)
+    if type(entry) is GraphRejected:
+        raise entry
+    return entry
+
+
+def graph_for_call(signature: tuple, make_spec) -> CompiledGraph:
+    """:func:`get_graph` behind a memo keyed by a cheap call ``signature``; ``make_spec()`` runs on a miss."""
+    entry = _by_call.get(signature)
+    if entry is None:
+        try:
+            entry = get_graph(make_spec())
+        except GraphRejected as rejected:
+            entry = rejected
+        if len(_by_call) >= _CALL_MEMO_CAPACITY:
+            _by_call.clear()
+        _by_call[signature] = entry
+    if type(entry) is GraphRejected:
+        raise entry
+    return entry
+
+
+def clear_cache() -> None:
+    """Forget every built graph and cached rejection (tests; a changed environment)."""
+    with _build_lock:
+        _cache.clear()
+        _by_call.clear()
+
+
+def cache_info() -> dict:
+    """Number of cached graphs and of cached rejections (for tests and benchmarks)."""
+    rejected = sum(type(e) is GraphRejected for e in _cache.values())
+    return {"graphs": len(_cache) - rejected, "rejected": rejected}
+
+
+# ----------------------------------------------------------------------------------------------
+# Building
+# ----------------------------------------------------------------------------------------------
+
+
+def _build(spec: GraphSpec) -> CompiledGraph:
+    cudnn = _load_frontend()
+    if cudnn is None:
+        raise GraphRejected(_frontend_error)
+    with torch.cuda.device(spec.device_index):
+        handle = _bound_handle(spec.device_index)
+        io_type = cudnn.data_type.HALF if spec.dtype == torch.float16 else cudnn.data_type.BFLOAT16
+        g = cudnn.pygraph(
+            handle=handle, io_data_type=io_type, intermediate_data_type=cudnn.data_type.FLOAT, compute_data_type=cudnn.data_type.FLOAT
+        )
+        B, H, H_kv, S_q, S_kv = spec.batch, spec.heads_q, spec.heads_kv, spec.seq_q, spec.seq_kv
+        io = dict(data_type=io_type)
+
+        def tensor(name, uid, dims, strides, **kw):
+            return g.tensor(name=name, dim=list(dims), stride=list(strides), uid=uid, **(kw or io))
+
+        q = tensor("q", _UID.Q, (B, H, S_q, spec.dim_qk), spec.q_strides)
+        k = tensor("k", _UID.K, (B, H_kv, S_kv, spec.dim_qk), spec.k_strides)
+        v = tensor("v", _UID.V, (B, H_kv, S_kv, spec.dim_v), spec.v_strides)
+        o_dims = (B, H, S_q, spec.dim_v)
+        stats_dims = (B, H, S_q, 1)
+        stats_strides = (S_q * H, 1, H, 1) if spec.packed else (H * S_q, S_q, 1, 1)
+        seq_q = seq_kv = None
+        if spec.padded or spec.packed:
+            int32 = dict(data_type=cudnn.data_type.INT32)
+            seq_q = tensor("seq_len_q", _UID.SEQ_Q, (B, 1, 1, 1), (1, 1, 1, 1), **int32)
+            seq_kv = tensor("seq_len_kv", _UID.SEQ_KV, (B, 1, 1, 1), (1, 1, 1, 1), **int32)
+
+        ragged: dict[tuple[str, int], object] = {}
+
+        def set_ragged(t, side: str, token_stride: int):
+            # One offset column per (side, token stride): q/o/dq usually share one, k/v/dk/dv another.
+            column = ragged.get((side, token_stride))
+            if column is None:
+                uid = _UID.FIRST_RAGGED + len(ragged)
+                column = ragged[side, token_stride] = tensor(f"ragged_{uid}", uid, (B + 1, 1, 1, 1), (1, 1, 1, 1), data_type=cudnn.data_type.INT64)
+            t.set_ragged_offset(column)
+
+        if spec.packed:
+            set_ragged(q, "q", spec.q_strides[2])
+            set_ragged(k, "kv", spec.k_strides[2])
+            set_ragged(v, "kv", spec.v_strides[2])
+        left_bound, right_bound = MaskSpec(left=spec.left, right=spec.right).cudnn_bounds()
+        mask_args = dict(
+            diagonal_band_left_bound=left_bound,
+            diagonal_band_right_bound=right_bound,
+            diagonal_alignment=cudnn.diagonal_alignment.BOTTOM_RIGHT if spec.bottom_right else cudnn.diagonal_alignment.TOP_LEFT,
+            use_padding_mask=spec.padded or spec.packed,
+            seq_len_q=seq_q,
+            seq_len_kv=seq_kv,
+        )
+
+        if spec.direction == "forward":
+            sinks = tensor("sinks", _UID.SINKS, (1, H, 1, 1), (H, 1, 1, 1), data_type=cudnn.data_type.FLOAT) if spec.sinks else None
+            o, stats = g.sdpa(
+                name="attention", q=q, k=k, v=v, generate_stats=spec.need_lse, attn_scale=spec.scale, sink_token=sinks, **mask_args
+            )
+            o.set_uid(_UID.O).set_output(True).set_dim(list(o_dims)).set_stride(list(spec.o_strides)).set_data_type(io_type)
+            uids = [_UID.Q, _UID.K, _UID.V, _UID.O]
+            if spec.packed:
+                set_ragged(o, "q", spec.o_strides[2])
+            if spec.need_lse:
+                stats.set_uid(_UID.STATS).set_output(True).set_dim(list(stats_dims)).set_stride(list(stats_strides))
+                stats.set_data_type(cudnn.data_type.FLOAT)
+                uids.append(_UID.STATS)
+                if spec.packed:
+                    set_ragged(stats, "q", H)
+            if spec.sinks:
+                uids.append(_UID.SINKS)
+        else:
+            o = tensor("o", _UID.O, o_dims, spec.o_strides)
+            d_o = tensor("dO", _UID.DO, o_dims, spec.o_strides)
+            stats = tensor("stats", _UID.STATS, stats_dims, stats_strides, data_type=cudnn.data_type.FLOAT)
+            extra = {}
+            if spec.packed:
+                set_ragged(o, "q", spec.o_strides[2])
+                set_ragged(d_o, "q", spec.o_strides[2])
+                set_ragged(stats, "q", H)
+                extra = dict(max_total_seq_len_q=spec.total_q, max_total_seq_len_kv=spec.total_kv)
+            dq, dk, dv = g.sdpa_backward(
+                name="attention_backward", q=q, k=k, v=v, o=o, dO=d_o, stats=stats, attn_scale=spec.scale,
+                use_deterministic_algorithm=spec.deterministic, **mask_args, **extra,
+            )  # fmt: skip
+            dq_strides, dk_strides, dv_strides = spec.grad_strides
+            for grad, uid, dims, strides, side in (
+                (dq, _UID.DQ, (B, H, S_q, spec.dim_qk), dq_strides, "q"),
+                (dk, _UID.DK, (B, H_kv, S_kv, spec.dim_qk), dk_strides, "kv"),
+                (dv, _UID.DV, (B, H_kv, S_kv, spec.dim_v), dv_strides, "kv"),
+            ):
+                grad.set_uid(uid).set_output(True).set_dim(list(dims)).set_stride(list(strides)).set_data_type(io_type)
+                if spec.packed:
+                    set_ragged(grad, side, strides[2])
+            uids = [_UID.Q, _UID.K, _UID.V, _UID.O, _UID.DO, _UID.STATS, _UID.DQ, _UID.DK, _UID.DV]
+        if spec.padded or spec.packed:
+            uids += [_UID.SEQ_Q, _UID.SEQ_KV]
+        uids += [_UID.FIRST_RAGGED + i for i in range(len(ragged))]
+
+        g.validate()
+        g.build_operation_graph()
+        g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+        g.check_support()
+        g.build_plans()
+        return CompiledGraph(spec, g, g.get_workspace_size(), tuple(uids), tuple(ragged))
+
+
+# ----------------------------------------------------------------------------------------------
+# Execution
+# ----------------------------------------------------------------------------------------------
+
+
+def execute(graph: CompiledGraph, operands: list, device_index: int) -> None:
+    """Launch ``graph`` on torch's current stream with ``operands`` in the graph's uid order."""
+    handle = _bound_handle(device_index)
+    workspace = torch.empty(graph.workspace_size, dtype=torch.uint8, device=operands[0].device) if graph.workspace_size else None
+    if graph.lowered is not None:
+        pointers = {uid: t.data_ptr() for uid, t in zip(graph.uids, operands)}
+        graph.lowered._execute_plan_at_index(
+            pointers, workspace.data_ptr() if workspace is not None else 0, graph.cpp_index, handle.backend_handle, None, None, None
+        )
+    else:
+        graph.graph.execute(operands, workspace, handle=handle, tensor_uids=graph.uids)

@@ -1,0 +1,91 @@
+"""Output layouts and shape buckets shared by the real cuDNN kernels and their fake (meta) twins.
+
+Keeping allocation in one place is what makes ``register_fake`` honest: the fake kernel calls the
+same helpers as the real one, so compiled graphs plan for the strides that really materialize.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["allocate_backward_outputs", "allocate_forward_outputs", "like_layout_strides", "shape_bucket", "thd_descriptor_strides"]
+
+
+def like_layout_strides(shape: tuple[int, ...], like: torch.Tensor) -> tuple[int, ...]:
+    """Compact strides for ``shape`` in ``like``'s dimension order (innermost first).
+
+    A (B, S, H, D) buffer seen as (B, H, S, D) gives an output with the same physical order, so
+    transformers' ``out.transpose(1, 2).reshape(B, S, -1)`` stays a view. Broadcast (stride-0)
+    inputs have no order to copy and get contiguous strides.
+    """
+    strides = like.stride()
+    if 0 in strides:
+        return torch.empty(shape, device="meta").stride()
+    order = sorted(range(len(shape)), key=lambda dim: (strides[dim], -dim))
+    result = [0] * len(shape)
+    step = 1
+    for dim in order:
+        result[dim] = step
+        step *= shape[dim]
+    return tuple(result)
+
+
+def thd_descriptor_strides(t_THD: torch.Tensor, s_max: int) -> tuple[int, int, int, int]:
+    """(B, H, S, D) descriptor strides of a packed (T, H, D) tensor with its real token/head strides.
+
+    The batch stride is nominal: ragged offsets give each document's base.
+    """
+    s_t, s_h, s_d = t_THD.stride()
+    return (s_max * s_t, s_h, s_t, s_d)
+
+
+def shape_bucket(n: int, minimum: int) -> int:
+    """Smallest value of the form 2**k or 3 * 2**(k-1) that is >= max(n, minimum).
+
+    Packed batches change their document count and longest document every step; cuDNN graphs
+    take them as upper bounds (actual lengths arrive at run time), so rounding them up to about
+    two buckets per octave keeps the number of graphs built over a training run small.
+    """
+    n = max(n, minimum, 1)
+    power = 1 << (n - 1).bit_length()  # smallest power of two >= n
+    three_quarters = (power // 4) * 3
+    return three_quarters if three_quarters >= n else power
+
+
+def allocate_forward_outputs(
+    q: torch.Tensor, v: torch.Tensor, *, packed: bool, need_lse: bool, out_strides: tuple | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` for a forward call. Dense: out adopts q's layout (``out_strides``, when the
+    caller already derived them with :func:`like_layout_strides`), lse (B, H, S_q).
+
+    Packed: out (T, H, D_v) and lse (T, H), zero-filled so tokens past ``cu_seqlens[-1]``
+    (which no kernel writes) read zero rather than stale memory.
+    """
+    if packed:
+        T, H = q.shape[0], q.shape[1]
+        out = torch.zeros((T, H, v.shape[-1]), dtype=q.dtype, device=q.device)
+        lse = torch.zeros((T, H) if need_lse else (0,), dtype=torch.float32, device=q.device)
+        return out, lse
+    B, H, S = q.shape[0], q.shape[1], q.shape[2]
+    shape = (B, H, S, v.shape[-1])
+    out = torch.empty_strided(shape, out_strides or like_layout_strides(shape, q), dtype=q.dtype, device=q.device)
+    lse = torch.empty((B, H, S) if need_lse else (0,), dtype=torch.float32, device=q.device)
+    return out, lse
+
+
+def allocate_backward_outputs(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None, *, packed: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv, dsinks)``. Dense gradients adopt their input's layout (autograd hands them
+    back as ``.grad``); packed ones are contiguous and zero-filled for tokens outside any document.
+    ``dsinks`` is fp32 (H,), or empty without sinks."""
+    dsinks = torch.empty((sinks.shape[0] if sinks is not None else 0,), dtype=torch.float32, device=q.device)
+    if packed:
+        return (
+            torch.zeros(q.shape, dtype=q.dtype, device=q.device),
+            torch.zeros(k.shape, dtype=q.dtype, device=q.device),
+            torch.zeros(v.shape, dtype=q.dtype, device=q.device),
+            dsinks,
+        )
+    grads = tuple(torch.empty_strided(t.shape, like_layout_strides(tuple(t.shape), t), dtype=q.dtype, device=q.device) for t in (q, k, v))
+    return (*grads, dsinks)

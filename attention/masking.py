@@ -1,0 +1,79 @@
+"""Which keys each query may see: the FlashAttention window convention and its cuDNN translation.
+
+Legend: ``i`` is a query row, ``j`` a key column, both counted from the start of their sequence.
+With ``window_size=(left, right)`` query ``i`` sees key ``j`` iff ``i - left <= j <= i + right``
+(``-1`` leaves that side unbounded). ``causal=True`` is ``right = 0``. With ``bottom_right=True``
+the diagonal is anchored at the last query/key pair, i.e. ``i`` is shifted by ``len_kv - len_q``
+(per sequence), which is what a decode step with a KV cache needs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["MaskSpec", "make_mask_spec", "visible_keys"]
+
+
+@dataclass(frozen=True)
+class MaskSpec:
+    """A normalized mask: ``left``/``right`` in FlashAttention's convention (-1 = unbounded)."""
+
+    left: int = -1
+    right: int = -1
+    bottom_right: bool = False
+
+    @property
+    def has_band(self) -> bool:
+        return self.left >= 0 or self.right >= 0
+
+    def cudnn_bounds(self) -> tuple[int | None, int | None]:
+        """cuDNN's ``(diagonal_band_left_bound, diagonal_band_right_bound)``.
+
+        cuDNN's left bound counts visible keys *including* the diagonal, so FlashAttention's
+        ``left = w`` (w keys back plus self) becomes ``w + 1``; the right bound needs no offset.
+        """
+        return (self.left + 1 if self.left >= 0 else None, self.right if self.right >= 0 else None)
+
+
+def _as_window(window_size) -> tuple[int, int]:
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+        raise ValueError(f"window_size must be a (left, right) pair, got {window_size!r}")
+    left, right = window_size
+    for name, bound in (("left", left), ("right", right)):
+        if isinstance(bound, bool) or not isinstance(bound, int):
+            raise TypeError(f"window_size {name} bound must be an int, got {bound!r} ({type(bound).__name__})")
+        if bound < -1:
+            raise ValueError(f"window_size {name} bound must be >= 0, or -1 for unbounded; got {bound}")
+    return left, right
+
+
+def make_mask_spec(*, causal: bool, bottom_right: bool, window_size) -> MaskSpec:
+    """Fold ``causal``/``bottom_right``/``window_size`` into one :class:`MaskSpec`, rejecting contradictions."""
+    left, right = _as_window(window_size)
+    if causal:
+        if right > 0:
+            raise ValueError(f"causal=True hides every future key but window_size={tuple(window_size)} admits {right} of them; pass one or the other")
+        right = 0
+    # Alignment only moves a band; without one it changes nothing, so drop it (one cache entry, one meaning).
+    return MaskSpec(left=left, right=right, bottom_right=bool(bottom_right) and (left >= 0 or right >= 0))
+
+
+def visible_keys(mask: MaskSpec, len_q: torch.Tensor, len_kv: torch.Tensor, s_q: int, s_kv: int) -> torch.Tensor:
+    """Boolean (B, s_q, s_kv) visibility for sequences of per-batch lengths ``len_q``/``len_kv`` (B,).
+
+    Rows and columns past a sequence's length are never visible.
+    """
+    device = len_q.device
+    i_Q1 = torch.arange(s_q, device=device).view(1, s_q, 1)
+    j_1K = torch.arange(s_kv, device=device).view(1, 1, s_kv)
+    len_q_B11 = len_q.view(-1, 1, 1).long()
+    len_kv_B11 = len_kv.view(-1, 1, 1).long()
+    row_BQ1 = i_Q1 + (len_kv_B11 - len_q_B11) if mask.bottom_right else i_Q1
+    visible_BQK = (j_1K < len_kv_B11) & (i_Q1 < len_q_B11)
+    if mask.right >= 0:
+        visible_BQK = visible_BQK & (j_1K <= row_BQ1 + mask.right)
+    if mask.left >= 0:
+        visible_BQK = visible_BQK & (j_1K >= row_BQ1 - mask.left)
+    return visible_BQK

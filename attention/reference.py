@@ -1,0 +1,128 @@
+"""The exact PyTorch path: fp32 math with the same semantics as the cuDNN path, differentiable.
+
+It serves whatever cuDNN cannot (CPU tensors, float32, a configuration the installed cuDNN rejects)
+and is the reference the GPU tests compare against. Fully masked rows give a zero output and
+``lse = -inf`` (``lse = sink`` is not used: a padded row is absent, not attending to the sink).
+
+Legend: B batch, H query heads, G = H // H_kv query heads per KV head, Q/K query/key length,
+D head dim, T packed tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .masking import MaskSpec, visible_keys
+
+__all__ = ["dense_reference", "varlen_reference"]
+
+# Documents processed together by the packed path: bounds the (chunk, H, S_q, S_kv) fp32 scores.
+_VARLEN_SCORE_BUDGET_BYTES = 256 * 2**20
+
+
+def dense_reference(
+    q_BHQD: torch.Tensor,
+    k_BHKD: torch.Tensor,
+    v_BHKD: torch.Tensor,
+    *,
+    scale: float,
+    mask: MaskSpec,
+    sinks_H: torch.Tensor | None = None,
+    seqlens_q_B: torch.Tensor | None = None,
+    seqlens_kv_B: torch.Tensor | None = None,
+    compute_dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention over (B, H, S, D) tensors. Returns ``(out in q's dtype, lse (B, H, Q) fp32)``.
+
+    ``compute_dtype`` is float32 for the fallback; tests pass the input dtype to measure how far
+    PyTorch's own low-precision math lands from fp32. ``lse`` is detached: it is an output for
+    inspection, not a differentiable one.
+    """
+    B, H, Q, D = q_BHQD.shape
+    H_kv, K, D_v = k_BHKD.shape[1], k_BHKD.shape[2], v_BHKD.shape[3]
+    G = H // H_kv
+    device = q_BHQD.device
+    len_q_B = seqlens_q_B if seqlens_q_B is not None else torch.full((B,), Q, device=device)
+    len_kv_B = seqlens_kv_B if seqlens_kv_B is not None else torch.full((B,), K, device=device)
+    visible_B11QK = visible_keys(mask, len_q_B, len_kv_B, Q, K).view(B, 1, 1, Q, K)
+
+    # Group query heads by their KV head instead of repeating K/V (same math, no copy).
+    q_BNGQD = q_BHQD.to(compute_dtype).reshape(B, H_kv, G, Q, D)
+    scores_BNGQK = torch.einsum("bngqd,bnkd->bngqk", q_BNGQD, k_BHKD.to(compute_dtype)) * scale
+    scores_BNGQK = scores_BNGQK.masked_fill(~visible_B11QK, float("-inf"))
+    if sinks_H is not None:
+        # gpt-oss: the sink is one more logit in the denominator that carries no value.
+        sink_BNGQ1 = sinks_H.to(compute_dtype).view(1, H_kv, G, 1, 1).expand(B, H_kv, G, Q, 1)
+        scores_BNGQK = torch.cat([scores_BNGQK, sink_BNGQ1], dim=-1)
+    # A stable softmax that turns fully masked rows into zeros rather than NaN (forward and backward).
+    row_max = scores_BNGQK.detach().amax(dim=-1, keepdim=True) if scores_BNGQK.shape[-1] else scores_BNGQK.new_zeros(B, H_kv, G, Q, 1)
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    exp_BNGQK = torch.exp(scores_BNGQK - row_max)
+    denom_BNGQ1 = exp_BNGQK.sum(dim=-1, keepdim=True)
+    probs_BNGQK = exp_BNGQK / torch.where(denom_BNGQ1 > 0, denom_BNGQ1, torch.ones_like(denom_BNGQ1))
+    if sinks_H is not None:
+        probs_BNGQK = probs_BNGQK[..., :K]
+    out_BNGQD = torch.einsum("bngqk,bnkd->bngqd", probs_BNGQK, v_BHKD.to(compute_dtype))
+
+    row_valid_B11Q = (torch.arange(Q, device=device).view(1, Q) < len_q_B.view(B, 1)).view(B, 1, 1, Q)
+    lse_BNGQ = (torch.log(denom_BNGQ1.float()) + row_max.float()).squeeze(-1).detach()
+    lse_BNGQ = lse_BNGQ.masked_fill(~row_valid_B11Q, float("-inf"))
+    out_BHQD = out_BNGQD.reshape(B, H, Q, D_v).to(q_BHQD.dtype)
+    return out_BHQD, lse_BNGQ.reshape(B, H, Q)
+
+
+def varlen_reference(
+    q_THD: torch.Tensor,
+    k_THD: torch.Tensor,
+    v_THD: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_kv: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_kv: int,
+    *,
+    scale: float,
+    mask: MaskSpec,
+    sinks_H: torch.Tensor | None = None,
+    compute_dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention over packed (T, H, D) documents. Returns ``(out (T, H, D_v), lse (T, H) fp32)``.
+
+    Documents are gathered into padded chunks of at most a few hundred MiB of scores, so memory
+    grows with the longest document, never with T x T, and no length is read back to the host.
+    Tokens past ``cu_seqlens[-1]`` (a capacity tail) get a zero output and ``lse = -inf``.
+    """
+    T_q, H, _ = q_THD.shape
+    T_kv, D_v = k_THD.shape[0], v_THD.shape[2]
+    B = cu_seqlens_q.numel() - 1
+    device = q_THD.device
+    cu_q = cu_seqlens_q.long()
+    cu_kv = cu_seqlens_kv.long()
+    len_q_B = cu_q[1:] - cu_q[:-1]
+    len_kv_B = cu_kv[1:] - cu_kv[:-1]
+    # One extra row collects the writes of padding slots and is dropped at the end.
+    out_TD = q_THD.new_zeros(T_q + 1, H, D_v, dtype=torch.float32)
+    lse_TH = torch.full((T_q + 1, H), float("-inf"), device=device)
+    per_doc_bytes = 4 * H * max(max_seqlen_q, 1) * (max(max_seqlen_kv, 1) + 1)
+    chunk = max(1, _VARLEN_SCORE_BUDGET_BYTES // per_doc_bytes)
+    pos_q_S = torch.arange(max_seqlen_q, device=device)
+    pos_kv_S = torch.arange(max_seqlen_kv, device=device)
+    for start in range(0, B, chunk):
+        docs = slice(start, min(B, start + chunk))
+        rows_q_CS = cu_q[docs, None] + pos_q_S
+        rows_kv_CS = cu_kv[docs, None] + pos_kv_S
+        valid_q_CS = pos_q_S < len_q_B[docs, None]
+        valid_kv_CS = pos_kv_S < len_kv_B[docs, None]
+        # Padding slots read row 0 (masked out below) and write the spare last row.
+        gather_q_CS = torch.where(valid_q_CS, rows_q_CS, 0)
+        gather_kv_CS = torch.where(valid_kv_CS, rows_kv_CS, 0)
+        q_CHSD = q_THD[gather_q_CS].permute(0, 2, 1, 3)
+        k_CHSD = k_THD[gather_kv_CS].permute(0, 2, 1, 3)
+        v_CHSD = v_THD[gather_kv_CS].permute(0, 2, 1, 3)
+        o_CHSD, lse_CHS = dense_reference(
+            q_CHSD, k_CHSD, v_CHSD, scale=scale, mask=mask, sinks_H=sinks_H, seqlens_q_B=len_q_B[docs], seqlens_kv_B=len_kv_B[docs],
+            compute_dtype=compute_dtype,
+        )
+        scatter_CS = torch.where(valid_q_CS, rows_q_CS, T_q)
+        out_TD = out_TD.index_put((scatter_CS,), o_CHSD.permute(0, 2, 1, 3).float())
+        lse_TH = lse_TH.index_put((scatter_CS,), lse_CHS.permute(0, 2, 1))
+    return out_TD[:T_q].to(q_THD.dtype), lse_TH[:T_q]

@@ -1,0 +1,145 @@
+"""Input checks that run before any kernel: each error names the offending value.
+
+Checks that would read device memory back to the host (cu_seqlens monotone, lengths in range)
+run only when the caller asks with ``validate=True``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+
+__all__ = ["check_cu_seqlens", "check_qkv", "check_seqlens", "check_sinks", "resolve_scale", "validate_cu_seqlens", "validate_seqlens"]
+
+_logger = logging.getLogger(__name__)
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def _require_tensor(value, name: str) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    return value
+
+
+def _innermost_dense(t: torch.Tensor, name: str) -> torch.Tensor:
+    if t.stride(-1) != 1 and t.shape[-1] > 1:
+        # The kernels read the head dim as one contiguous vector; say so once, then copy.
+        _logger.warning("cudnn_attention: %s has innermost stride %d (shape %s); copying it contiguous", name, t.stride(-1), tuple(t.shape))
+        return t.contiguous()
+    return t
+
+
+def check_qkv(q, k, v, *, packed: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Check ranks, dtypes, devices and shapes of q/k/v; return them with a dense head dim.
+
+    Dense: (B, H_q, S_q, D), (B, H_kv, S_kv, D), (B, H_kv, S_kv, D_v). Packed: (T_q, H_q, D),
+    (T_kv, H_kv, D), (T_kv, H_kv, D_v). H_q must be a multiple of H_kv (GQA/MQA).
+    """
+    # Written as plain comparisons: this runs on every call, and messages are built only on failure.
+    rank, layout = (3, "(T, H, D)") if packed else (4, "(B, H, S, D)")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != rank:
+            raise ValueError(f"{name} must be {rank}-D {layout}, got shape {tuple(t.shape)}")
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k and v must share one dtype, got q={q.dtype}, k={k.dtype}, v={v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k and v must be on one device, got q={q.device}, k={k.device}, v={v.device}")
+    q_shape, k_shape, v_shape = q.shape, k.shape, v.shape
+    if not packed and not (q_shape[0] == k_shape[0] == v_shape[0]):
+        raise ValueError(f"batch sizes differ: q {q_shape[0]}, k {k_shape[0]}, v {v_shape[0]}")
+    seq_axis = 0 if packed else 2
+    if k_shape[seq_axis] != v_shape[seq_axis]:
+        raise ValueError(f"k and v must have the same number of keys, got k {tuple(k_shape)} and v {tuple(v_shape)}")
+    if k_shape[1] != v_shape[1]:
+        raise ValueError(f"k and v must have the same number of heads, got {k_shape[1]} and {v_shape[1]}")
+    if q_shape[-1] != k_shape[-1]:
+        raise ValueError(f"q and k must have the same head dim, got {q_shape[-1]} and {k_shape[-1]}")
+    if k_shape[1] == 0 or q_shape[1] % k_shape[1]:
+        raise ValueError(f"query heads ({q_shape[1]}) must be a multiple of key/value heads ({k_shape[1]})")
+    return _innermost_dense(q, "q"), _innermost_dense(k, "k"), _innermost_dense(v, "v")
+
+
+def resolve_scale(scale, head_dim: int) -> float:
+    """``scale`` as a float, defaulting to ``1 / sqrt(head_dim)``."""
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a float or None, got {scale!r} ({type(scale).__name__})")
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
+    return float(scale)
+
+
+def check_sinks(sinks, q: torch.Tensor, heads: int) -> torch.Tensor | None:
+    """Per-query-head sink logits: a floating (H_q,) tensor on q's device."""
+    if sinks is None:
+        return None
+    _require_tensor(sinks, "sinks")
+    if not sinks.is_floating_point():
+        raise TypeError(f"sinks must be a floating-point tensor, got {sinks.dtype}")
+    if sinks.dim() != 1 or sinks.shape[0] != heads:
+        raise ValueError(f"sinks must have shape ({heads},) (one logit per query head), got {tuple(sinks.shape)}")
+    if sinks.device != q.device:
+        raise ValueError(f"sinks must be on {q.device}, got {sinks.device}")
+    return sinks
+
+
+def check_seqlens(seqlens, name: str, batch: int, device: torch.device) -> torch.Tensor | None:
+    """Valid lengths of a right-padded dense batch: an integer (B,) tensor on the inputs' device."""
+    if seqlens is None:
+        return None
+    _require_tensor(seqlens, name)
+    if seqlens.dtype not in _INDEX_DTYPES:
+        raise TypeError(f"{name} must be int32 or int64, got {seqlens.dtype}")
+    if seqlens.dim() != 1 or seqlens.shape[0] != batch:
+        raise ValueError(f"{name} must have shape ({batch},) (one length per batch row), got {tuple(seqlens.shape)}")
+    if seqlens.device != device:
+        raise ValueError(f"{name} must be on {device}, got {seqlens.device}")
+    return seqlens
+
+
+def check_cu_seqlens(cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, device: torch.device) -> None:
+    """Prefix sums: 1-D int32/int64 tensors of equal length B + 1 >= 2; maxima positive ints."""
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_kv", cu_seqlens_kv)):
+        _require_tensor(cu, name)
+        if cu.dtype not in _INDEX_DTYPES:
+            raise TypeError(f"{name} must be int32 or int64, got {cu.dtype}")
+        if cu.dim() != 1 or cu.shape[0] < 2:
+            raise ValueError(f"{name} must be 1-D with B + 1 >= 2 entries, got shape {tuple(cu.shape)}")
+        if cu.device != device:
+            raise ValueError(f"{name} must be on {device} like q, got {cu.device}")
+    if cu_seqlens_q.shape[0] != cu_seqlens_kv.shape[0]:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_kv describe different batch sizes: {cu_seqlens_q.shape[0] - 1} and {cu_seqlens_kv.shape[0] - 1}")
+    for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_kv", max_seqlen_kv)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be a Python int, got {value!r} ({type(value).__name__})")
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+
+
+def validate_cu_seqlens(cu_seqlens, name: str, total: int, max_seqlen: int) -> None:
+    """Host-side checks (they synchronize): starts at 0, non-decreasing, ends <= T, lengths <= max."""
+    cu = cu_seqlens.detach().cpu().long()
+    lengths = cu[1:] - cu[:-1]
+    if cu[0] != 0:
+        raise ValueError(f"{name} must start at 0, got {cu[0].item()}")
+    if (lengths < 0).any():
+        bad = int(torch.nonzero(lengths < 0)[0])
+        raise ValueError(f"{name} must be non-decreasing, but entry {bad + 1} ({cu[bad + 1].item()}) < entry {bad} ({cu[bad].item()})")
+    if cu[-1] > total:
+        raise ValueError(f"{name}[-1] = {cu[-1].item()} exceeds the {total} packed tokens")
+    if lengths.max() > max_seqlen:
+        raise ValueError(f"a document in {name} has {lengths.max().item()} tokens, more than max_seqlen {max_seqlen}")
+
+
+def validate_seqlens(seqlens, name: str, limit: int) -> None:
+    """Host-side check (it synchronizes): every length in [0, limit]."""
+    lengths = seqlens.detach().cpu()
+    if (lengths < 0).any() or (lengths > limit).any():
+        raise ValueError(f"{name} must lie in [0, {limit}], got {lengths.tolist()}")

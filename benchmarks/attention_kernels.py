@@ -1,0 +1,271 @@
+"""Forward/backward time and TFLOP/s of cudnn_attention against torch flash, torch's C++ cuDNN path
+and the cuDNN frontend's own torch ops, at the shapes of the project's GPU baseline; plus host
+microseconds per call at a tiny shape.
+
+    python benchmarks/attention_kernels.py --out benchmarks/results
+
+Prints a Markdown table and writes ``attention_kernels.json`` and ``attention_kernels.md``.
+Times are medians of CUDA-event timings after warm-up; every implementation runs in the same process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import cudnn_attention
+
+
+@dataclass
+class Case:
+    name: str
+    heads_q: int
+    heads_kv: int
+    head_dim: int
+    doc_lengths: list[int]  # one entry per batch row (dense) or document (packed)
+    packed: bool
+    left: int = -1  # FlashAttention window, causal always
+    sinks: bool = False
+    results: dict = field(default_factory=dict)
+
+    def visible_pairs(self) -> int:
+        w = self.left
+        return sum(sum(min(i, w) + 1 if w >= 0 else i + 1 for i in range(n)) for n in self.doc_lengths)
+
+    def flops(self) -> tuple[float, float]:
+        forward = 4.0 * self.heads_q * self.head_dim * self.visible_pairs()
+        return forward, 2.5 * forward
+
+
+PACKED_DOCS = [4096, 2900, 2048, 1800, 1500, 1024, 772, 128]  # 8 documents, T = 14268
+CASES = [
+    Case("dense S=1024 B=2", 32, 8, 128, [1024] * 2, False),
+    Case("dense S=4096 B=2", 32, 8, 128, [4096] * 2, False),
+    Case("dense S=8192 B=1", 32, 8, 128, [8192], False),
+    Case("dense S=2048 B=4 H=16 D=64", 16, 4, 64, [2048] * 4, False),
+    Case("dense S=4096 B=2 window 512", 32, 8, 128, [4096] * 2, False, left=512),
+    Case("packed T=14268", 32, 8, 128, PACKED_DOCS, True),
+    Case("packed T=14268 window 512", 32, 8, 128, PACKED_DOCS, True, left=512),
+    Case("packed gpt-oss H=64/8 D=64 window 128", 64, 8, 64, PACKED_DOCS, True, left=128),
+    Case("packed gpt-oss H=64/8 D=64 window 128 sinks", 64, 8, 64, PACKED_DOCS, True, left=128, sinks=True),
+]
+
+
+def cuda_time_ms(fn, *, warmup=3, iters=20) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def make_inputs(case: Case, seed=0):
+    torch.manual_seed(seed)
+    dev, dt = "cuda", torch.bfloat16
+    if case.packed:
+        T = sum(case.doc_lengths)
+        q = torch.randn(T, case.heads_q, case.head_dim, device=dev, dtype=dt, requires_grad=True)
+        k = torch.randn(T, case.heads_kv, case.head_dim, device=dev, dtype=dt, requires_grad=True)
+    else:
+        B, S = len(case.doc_lengths), case.doc_lengths[0]
+        # transformers' layout: (B, S, H, D) buffers seen as (B, H, S, D)
+        q = torch.randn(B, S, case.heads_q, case.head_dim, device=dev, dtype=dt).transpose(1, 2).requires_grad_()
+        k = torch.randn(B, S, case.heads_kv, case.head_dim, device=dev, dtype=dt).transpose(1, 2).requires_grad_()
+    v = torch.randn_like(k).requires_grad_()
+    sinks = torch.randn(case.heads_q, device=dev, dtype=torch.float32, requires_grad=True) if case.sinks else None
+    cu = torch.tensor([0, *itertools.accumulate(case.doc_lengths)], device=dev, dtype=torch.int32)
+    return q, k, v, sinks, cu
+
+
+def implementations(case: Case, q, k, v, sinks, cu):
+    """name -> forward callable returning the differentiable output, for implementations that serve the case."""
+    max_len = max(case.doc_lengths)
+    window = (case.left, 0)
+    impls = {}
+    if case.packed:
+        impls["cudnn_attention"] = lambda: cudnn_attention.varlen_attention(q, k, v, cu, cu, max_len, max_len, causal=True,
+                                                                            window_size=window, sinks=sinks)  # fmt: skip
+        if not case.sinks:
+            impls["torch flash"] = lambda: torch.ops.aten._flash_attention_forward(
+                q, k, v, cu, cu, max_len, max_len, 0.0, True, False, window_size_left=case.left if case.left >= 0 else None, window_size_right=0
+            )[0]
+    else:
+        impls["cudnn_attention"] = lambda: cudnn_attention.attention(q, k, v, causal=True, window_size=window, sinks=sinks)
+        q_bshd, k_bshd, v_bshd = (t.transpose(1, 2) for t in (q, k, v))
+        impls["torch flash"] = lambda: torch.ops.aten._flash_attention_forward(
+            q_bshd, k_bshd, v_bshd, None, None, q.shape[2], k.shape[2], 0.0, True, False,
+            window_size_left=case.left if case.left >= 0 else None, window_size_right=0,
+        )[0]  # fmt: skip
+        if case.left < 0 and not case.sinks:
+            group = case.heads_q // case.heads_kv
+
+            def cpp_cudnn():
+                with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+                    # The C++ cuDNN path takes no GQA: K/V repeat is part of its cost.
+                    return F.scaled_dot_product_attention(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), is_causal=True)
+
+            impls["torch cuDNN (C++)"] = cpp_cudnn
+    group = case.heads_q // case.heads_kv
+    if group > 1 and not case.sinks:
+        # Strategy probe: cuDNN's MHA backward on repeated K/V (plus the group sum autograd adds)
+        # against its native GQA backward.
+        kv_axis = 1
+        if case.packed:
+            impls["cudnn_attention, K/V repeated"] = lambda: cudnn_attention.varlen_attention(
+                q, k.repeat_interleave(group, kv_axis), v.repeat_interleave(group, kv_axis), cu, cu, max_len, max_len, causal=True,
+                window_size=window,
+            )  # fmt: skip
+        else:
+            impls["cudnn_attention, K/V repeated"] = lambda: cudnn_attention.attention(
+                q, k.repeat_interleave(group, kv_axis), v.repeat_interleave(group, kv_axis), causal=True, window_size=window
+            )
+    try:
+        from cudnn.sdpa.fwd import torch_op  # noqa: F401 - registers torch.ops.cudnn.sdpa_fwd
+
+        lb = case.left + 1 if case.left >= 0 else -1
+        scale = case.head_dim**-0.5
+        if case.packed:
+            impls["upstream cudnn::sdpa_fwd"] = lambda: torch.ops.cudnn.sdpa_fwd(
+                q, k, v, scale, is_causal=True, window_left=lb, sinks=sinks, cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                max_seqlen_q=max_len, max_seqlen_kv=max_len, return_lse=True,
+            )[0]  # fmt: skip
+        else:
+            impls["upstream cudnn::sdpa_fwd"] = lambda: torch.ops.cudnn.sdpa_fwd(q, k, v, scale, is_causal=True, window_left=lb,
+                                                                                sinks=sinks, return_lse=True)[0]  # fmt: skip
+    except Exception as exc:  # noqa: BLE001 - report, keep benchmarking the others
+        print(f"upstream ops unavailable: {exc}")
+    return impls
+
+
+def plan_names() -> list[str]:
+    """Engine plans of every graph built so far, by this project and by the upstream ops."""
+    from cudnn_attention import cudnn_graphs
+
+    names = [f"{spec.direction}:{g.plan_name}" for spec, g in cudnn_graphs._cache.items() if isinstance(g, cudnn_graphs.CompiledGraph)]
+    try:
+        from cudnn.sdpa.fwd import torch_op
+
+        names += [f"upstream {key[0]}:{g.get_plan_name_at_index(g._plan_index)}" for key, (g, _, _) in torch_op._graph_cache.items()]
+    except Exception:  # noqa: BLE001 - upstream not importable or its cache changed shape
+        pass
+    return names
+
+
+def run_case(case: Case):
+    q, k, v, sinks, cu = make_inputs(case)
+    inputs = [t for t in (q, k, v, sinks) if t is not None]
+    fwd_flops, bwd_flops = case.flops()
+    for name, forward in implementations(case, q, k, v, sinks, cu).items():
+        entry = {}
+        before = plan_names()
+        try:
+            out = forward()
+            grad_out = torch.randn_like(out)
+            entry["fwd_ms"] = cuda_time_ms(forward)
+            try:
+                entry["bwd_ms"] = cuda_time_ms(lambda: torch.autograd.grad(out, inputs, grad_out, retain_graph=True))
+            except Exception as exc:  # noqa: BLE001
+                entry["bwd_error"] = f"{type(exc).__name__}: {str(exc)[:120]}"
+            entry["fwd_tflops"] = fwd_flops / entry["fwd_ms"] / 1e9
+            if "bwd_ms" in entry:
+                entry["bwd_tflops"] = bwd_flops / entry["bwd_ms"] / 1e9
+                entry["fwd_bwd_ms"] = entry["fwd_ms"] + entry["bwd_ms"]
+        except Exception as exc:  # noqa: BLE001
+            entry["error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
+        entry["plans"] = sorted(set(plan_names()) - set(before))
+        case.results[name] = entry
+        del out
+    torch.cuda.empty_cache()
+
+
+def host_overhead_us(iters=2000) -> dict:
+    """Host microseconds per no-grad forward at B=H=1, S=128, D=64 (launch-bound: measures Python and dispatch)."""
+    torch.manual_seed(0)
+    q = torch.randn(1, 1, 128, 64, device="cuda", dtype=torch.bfloat16)
+    calls = {
+        "cudnn_attention": lambda: cudnn_attention.attention(q, q, q),
+        "torch flash": lambda: torch.ops.aten._scaled_dot_product_flash_attention(q, q, q),
+        "torch cuDNN (C++)": lambda: torch.ops.aten._scaled_dot_product_cudnn_attention(q, q, q, None, False),
+    }
+    try:
+        from cudnn.sdpa.fwd import torch_op  # noqa: F401
+
+        calls["upstream cudnn::sdpa_fwd"] = lambda: torch.ops.cudnn.sdpa_fwd(q, q, q, 0.125, return_lse=False)
+    except Exception:  # noqa: BLE001
+        pass
+    result = {}
+    with torch.no_grad():
+        for name, fn in calls.items():
+            for _ in range(100):
+                fn()
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(iters):
+                fn()
+            torch.cuda.synchronize()
+            result[name] = (time.perf_counter() - start) / iters * 1e6
+    return result
+
+
+def markdown(cases, host) -> str:
+    lines = [
+        f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}, bf16, causal.",
+        "",
+        "| case | implementation | fwd ms | fwd TF/s | bwd ms | bwd TF/s | fwd+bwd ms | vs cudnn_attention |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for case in cases:
+        ours = case.results.get("cudnn_attention", {}).get("fwd_bwd_ms")
+        for name, r in case.results.items():
+            if "error" in r:
+                lines.append(f"| {case.name} | {name} | error: {r['error']} | | | | | |")
+                continue
+            total = r.get("fwd_bwd_ms")
+            ratio = f"{total / ours:.2f}x slower" if ours and total and name != "cudnn_attention" else ""
+            bwd = (f"{r['bwd_ms']:.3f}", f"{r['bwd_tflops']:.0f}") if "bwd_ms" in r else (r.get("bwd_error", "-")[:40], "")
+            lines.append(f"| {case.name} | {name} | {r['fwd_ms']:.3f} | {r['fwd_tflops']:.0f} | {bwd[0]} | {bwd[1]} | "
+                         f"{total:.3f} | {ratio} |" if total else f"| {case.name} | {name} | {r['fwd_ms']:.3f} | {r['fwd_tflops']:.0f} | {bwd[0]} | | | |")  # fmt: skip
+    lines += ["", "Engine plans chosen:", ""]
+    lines += [f"- {case.name} / {name}: {', '.join(r.get('plans', [])) or 'n/a'}" for case in cases for name, r in case.results.items()]
+    lines += ["", "Host time per no-grad forward, B=H=1, S=128, D=64:", "", "| implementation | us/call |", "|---|---|"]
+    lines += [f"| {name} | {us:.1f} |" for name, us in host.items()]
+    return "\n".join(lines)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--only", default="", help="run cases whose name contains this text")
+    args = parser.parse_args()
+    cases = [c for c in CASES if args.only in c.name]
+    for case in cases:
+        run_case(case)
+        print(case.name, json.dumps(case.results))
+    host = host_overhead_us()
+    table = markdown(cases, host)
+    print(table)
+    print("stats:", cudnn_attention.stats())
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "attention_kernels.md").write_text(table + "\n")
+    payload = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "cases": [asdict(c) for c in cases], "host_us": host}
+    (args.out / "attention_kernels.json").write_text(json.dumps(payload, indent=1))
+
+
+if __name__ == "__main__":
+    main()

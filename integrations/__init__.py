@@ -1,0 +1,1 @@
+"""Framework integrations (transformers, Lightning) built on the :mod:`cudnn_attention` core."""

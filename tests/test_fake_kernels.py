@@ -1,0 +1,70 @@
+"""Fake (meta) kernels report the shapes and strides the real kernels produce."""
+
+import torch
+
+import cudnn_attention  # noqa: F401 - registers the ops
+from cudnn_attention.layouts import allocate_forward_outputs, like_layout_strides, shape_bucket
+
+
+def _forward(q, k, v, *, packed=False, need_lse=True, cu=None, max_len=0):
+    return torch.ops.cudnn_attention.forward(q, k, v, None, None, None, cu, cu, max_len, max_len, 0.125, -1, 0, False, need_lse)
+
+
+def test_dense_fake_output_adopts_query_layout():
+    q_BSHD = torch.empty(2, 7, 4, 64, device="meta", dtype=torch.bfloat16)
+    kv_BSHD = torch.empty(2, 7, 2, 64, device="meta", dtype=torch.bfloat16)
+    q = q_BSHD.transpose(1, 2)
+    out, lse = _forward(q, kv_BSHD.transpose(1, 2), kv_BSHD.transpose(1, 2))
+    assert out.shape == (2, 4, 7, 64) and out.dtype == torch.bfloat16
+    assert out.stride() == q.stride() == (7 * 4 * 64, 64, 4 * 64, 1)
+    assert out.transpose(1, 2).is_contiguous(), "transformers reshapes (B, S, H, D) without a copy"
+    assert lse.shape == (2, 4, 7) and lse.dtype == torch.float32
+
+
+def test_fake_without_lse_returns_empty_lse():
+    q = torch.empty(1, 2, 3, 64, device="meta", dtype=torch.float16)
+    out, lse = _forward(q, q, q, need_lse=False)
+    assert out.stride() == q.stride() and lse.numel() == 0
+
+
+def test_packed_fake_shapes_and_backward_fake():
+    q = torch.empty(10, 4, 64, device="meta", dtype=torch.bfloat16)
+    kv = torch.empty(10, 2, 64, device="meta", dtype=torch.bfloat16)
+    cu = torch.empty(3, device="meta", dtype=torch.int32)
+    out, lse = _forward(q, kv, kv, cu=cu, max_len=5)
+    assert out.shape == (10, 4, 64) and out.is_contiguous() and lse.shape == (10, 4)
+    sinks = torch.empty(4, device="meta")
+    dq, dk, dv, dsinks = torch.ops.cudnn_attention.backward(out, q, kv, kv, out, lse, sinks, None, None, cu, cu, 5, 5, 0.125, -1, 0, False, False)
+    assert dq.shape == q.shape and dk.shape == kv.shape and dv.shape == kv.shape and dsinks.shape == (4,)
+
+
+def test_dense_backward_fake_grads_adopt_input_layouts():
+    q = torch.empty(2, 5, 4, 64, device="meta", dtype=torch.bfloat16).transpose(1, 2)
+    k = torch.empty(2, 2, 5, 64, device="meta", dtype=torch.bfloat16)
+    out, lse = _forward(q, k, k)
+    dq, dk, dv, dsinks = torch.ops.cudnn_attention.backward(out, q, k, k, out, lse, None, None, None, None, None, 5, 5, 0.125, -1, 0, False, False)
+    assert dq.stride() == q.stride() and dk.stride() == k.stride() and dsinks.numel() == 0
+
+
+def test_real_allocation_helper_matches_fake_on_cpu():
+    q = torch.empty(2, 5, 4, 64).transpose(1, 2)
+    out, _ = allocate_forward_outputs(q, q, packed=False, need_lse=True)
+    fake_out, _ = _forward(q.to("meta"), q.to("meta"), q.to("meta"))
+    assert out.stride() == fake_out.stride()
+
+
+def test_like_layout_strides_orders_and_broadcasts():
+    t = torch.empty(2, 3, 5, 7).permute(0, 2, 1, 3)  # (2, 5, 3, 7) physically (2, 3, 5, 7)
+    assert like_layout_strides((2, 5, 3, 9), t) == (135, 9, 45, 1)
+    broadcast = torch.empty(1, 3, 1, 7).expand(2, 3, 5, 7)
+    assert like_layout_strides((2, 3, 5, 7), broadcast) == (105, 35, 7, 1)
+
+
+def test_shape_bucket_is_monotone_and_bounded():
+    previous = 0
+    for n in range(1, 5000):
+        bucket = shape_bucket(n, 64)
+        assert bucket >= max(n, 64) and bucket >= previous
+        assert bucket <= max(64, n) * 1.5 + 1, f"bucket {bucket} for {n} wastes more than half a bucket"
+        previous = bucket
+    assert len({shape_bucket(n, 64) for n in range(1, 32769)}) <= 21

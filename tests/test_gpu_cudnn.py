@@ -1,0 +1,338 @@
+"""The cuDNN path on a GPU: accuracy against fp32, packing, sync-freedom, graphs, compile, determinism.
+
+Tolerance rule (FlashAttention's): the cuDNN error against an fp32 reference may be at most twice
+the error of PyTorch doing the same math in the input dtype, plus 1e-3 of the tensor's magnitude.
+"""
+
+import itertools
+
+import pytest
+import torch
+
+import cudnn_attention
+from cudnn_attention.masking import make_mask_spec
+from cudnn_attention.reference import dense_reference, varlen_reference
+
+pytestmark = pytest.mark.gpu
+DEVICE = "cuda"
+
+
+def _errors(got, ref, lowp):
+    err = (got.float() - ref.float()).abs().max().item()
+    base = (lowp.float() - ref.float()).abs().max().item()
+    return err, base, ref.float().abs().max().item()
+
+
+def assert_within_lowp_noise(name, got, ref, lowp):
+    err, base, magnitude = _errors(got, ref, lowp)
+    bound = 2 * base + 1e-3 * magnitude
+    assert err <= bound, f"{name}: cuDNN error {err:.3g} > bound {bound:.3g} (torch low-precision error {base:.3g}, |ref| {magnitude:.3g})"
+
+
+def _grads(out, inputs, grad_out):
+    return torch.autograd.grad(out, [t for t in inputs if t is not None], grad_out)
+
+
+MASKS = {
+    "none": dict(),
+    "causal": dict(causal=True),
+    "bottom_right_decode": dict(causal=True, bottom_right=True),
+    "left_window": dict(causal=True, window_size=(37, 0)),
+    "left_right_window": dict(window_size=(29, 13)),
+}
+GRID = list(itertools.product(MASKS, (1, 4, 8), (64, 128), (torch.float16, torch.bfloat16)))
+SINK_CASES = [("sinks", dict(causal=True)), ("sinks_window", dict(causal=True, window_size=(64, 0)))]
+
+
+def _dense_case(mask_name, group, head_dim, dtype, sinks=False, seed=0):
+    torch.manual_seed(seed)
+    H = 8
+    S_kv = 203
+    S_q = 67 if mask_name == "bottom_right_decode" else S_kv
+    q = torch.randn(2, S_q, H, head_dim, device=DEVICE, dtype=dtype).transpose(1, 2).requires_grad_()  # transformers' layout
+    k = torch.randn(2, H // group, S_kv, head_dim, device=DEVICE, dtype=dtype, requires_grad=True)
+    v = torch.randn(2, H // group, S_kv, head_dim, device=DEVICE, dtype=dtype, requires_grad=True)
+    s = torch.randn(H, device=DEVICE, dtype=dtype, requires_grad=True) if sinks else None
+    return q, k, v, s
+
+
+def _check_dense(options, q, k, v, sinks, seqlens=(None, None)):
+    grad_out = torch.randn(q.shape, device=DEVICE, dtype=q.dtype)
+    cudnn_attention.reset_stats()
+    with cudnn_attention.strict():
+        out = cudnn_attention.attention(q, k, v, sinks=sinks, seqlens_q=seqlens[0], seqlens_kv=seqlens[1], **options)
+        grads = _grads(out, (q, k, v, sinks), grad_out)
+    assert cudnn_attention.stats()["cudnn_forward"] == 1 and cudnn_attention.stats()["cudnn_backward"] == 1
+    mask = make_mask_spec(causal=options.get("causal", False), bottom_right=options.get("bottom_right", False),
+                          window_size=options.get("window_size", (-1, -1)))  # fmt: skip
+    results = {}
+    for dtype in (torch.float32, q.dtype):
+        leaves = [t.detach().float().requires_grad_() if dtype == torch.float32 else t.detach().clone().requires_grad_() for t in (q, k, v)]
+        sink_leaf = None if sinks is None else sinks.detach().clone().to(dtype).requires_grad_()
+        ref, _ = dense_reference(*leaves, scale=q.shape[-1] ** -0.5, mask=mask, sinks_H=sink_leaf, seqlens_q_B=seqlens[0],
+                                 seqlens_kv_B=seqlens[1], compute_dtype=dtype)  # fmt: skip
+        results[dtype] = (ref, _grads(ref, (*leaves, sink_leaf), grad_out.to(ref.dtype)))
+    (ref, ref_grads), (lowp, lowp_grads) = results[torch.float32], results[q.dtype]
+    assert_within_lowp_noise("out", out, ref, lowp)
+    for name, got, want, base in zip(("dq", "dk", "dv", "dsinks"), grads, ref_grads, lowp_grads):
+        assert_within_lowp_noise(name, got, want, base)
+    return out, grads
+
+
+@pytest.mark.parametrize("mask_name, group, head_dim, dtype", GRID)
+def test_dense_matches_fp32_reference(mask_name, group, head_dim, dtype):
+    _check_dense(MASKS[mask_name], *_dense_case(mask_name, group, head_dim, dtype))
+
+
+@pytest.mark.parametrize("name, options", SINK_CASES)
+@pytest.mark.parametrize("group", (1, 8))
+def test_dense_sinks_match_fp32_reference(name, options, group):
+    _check_dense(options, *_dense_case("causal", group, 64, torch.bfloat16, sinks=True))
+
+
+def test_padded_dense_with_sinks_and_bottom_right():
+    q, k, v, sinks = _dense_case("causal", 4, 64, torch.bfloat16, sinks=True)
+    seqlens = (torch.tensor([203, 150], device=DEVICE), torch.tensor([203, 170], device=DEVICE))
+    out, grads = _check_dense(dict(causal=True, bottom_right=True), q, k, v, sinks, seqlens)
+    assert out[1, :, 150:].abs().max() == 0 and grads[0][1, :, 150:].abs().max() == 0
+    assert grads[1][1, :, 170:].abs().max() == 0 and grads[2][1, :, 170:].abs().max() == 0
+    assert all(torch.isfinite(g).all() for g in grads)
+
+
+def _packed_case(lengths, group=4, head_dim=64, dtype=torch.bfloat16, sinks=False, tail=0, seed=0, q_lengths=None):
+    torch.manual_seed(seed)
+    H = 8
+    q_lengths = q_lengths or lengths
+    cu_q = torch.tensor([0, *itertools.accumulate(q_lengths)], device=DEVICE, dtype=torch.int32)
+    cu_kv = torch.tensor([0, *itertools.accumulate(lengths)], device=DEVICE, dtype=torch.int32)
+    T_q, T_kv = sum(q_lengths) + tail, sum(lengths) + tail
+    q = torch.randn(T_q, H, head_dim, device=DEVICE, dtype=dtype, requires_grad=True)
+    k = torch.randn(T_kv, H // group, head_dim, device=DEVICE, dtype=dtype, requires_grad=True)
+    v = torch.randn(T_kv, H // group, head_dim, device=DEVICE, dtype=dtype, requires_grad=True)
+    s = torch.randn(H, device=DEVICE, dtype=torch.float32, requires_grad=True) if sinks else None
+    return q, k, v, s, cu_q, cu_kv, max(q_lengths), max(lengths)
+
+
+def _check_packed(options, q, k, v, sinks, cu_q, cu_kv, max_q, max_kv):
+    grad_out = torch.randn(q.shape[0], q.shape[1], v.shape[2], device=DEVICE, dtype=q.dtype)
+    cudnn_attention.reset_stats()
+    with cudnn_attention.strict():
+        out = cudnn_attention.varlen_attention(q, k, v, cu_q, cu_kv, max_q, max_kv, sinks=sinks, **options)
+        grads = _grads(out, (q, k, v, sinks), grad_out)
+    assert cudnn_attention.stats()["cudnn_forward"] == 1 and cudnn_attention.stats()["cudnn_backward"] == 1
+    mask = make_mask_spec(causal=options.get("causal", False), bottom_right=options.get("bottom_right", False),
+                          window_size=options.get("window_size", (-1, -1)))  # fmt: skip
+    results = {}
+    for dtype in (torch.float32, q.dtype):
+        leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+        sink_leaf = None if sinks is None else sinks.detach().to(dtype).requires_grad_()
+        ref, _ = varlen_reference(*leaves, cu_q, cu_kv, max_q, max_kv, scale=q.shape[-1] ** -0.5, mask=mask, sinks_H=sink_leaf,
+                                  compute_dtype=dtype)  # fmt: skip
+        results[dtype] = (ref, _grads(ref, (*leaves, sink_leaf), grad_out.to(ref.dtype)))
+    (ref, ref_grads), (lowp, lowp_grads) = results[torch.float32], results[q.dtype]
+    assert_within_lowp_noise("out", out, ref, lowp)
+    for name, got, want, base in zip(("dq", "dk", "dv", "dsinks"), grads, ref_grads, lowp_grads):
+        assert_within_lowp_noise(name, got, want, base)
+    return out, grads
+
+
+ODD_LENGTHS = [129, 1, 77, 300, 5]  # five documents (bucketed to six), a length-1 one among them
+
+
+@pytest.mark.parametrize("mask_name, group, head_dim, dtype", GRID)
+def test_packed_matches_fp32_reference(mask_name, group, head_dim, dtype):
+    q_lengths = [min(n, 9) for n in ODD_LENGTHS] if mask_name == "bottom_right_decode" else None
+    case = _packed_case(ODD_LENGTHS, group, head_dim, dtype, q_lengths=q_lengths)
+    _check_packed(MASKS[mask_name], *case)
+
+
+@pytest.mark.parametrize("name, options", SINK_CASES)
+def test_packed_sinks_match_fp32_reference(name, options):
+    _check_packed(options, *_packed_case(ODD_LENGTHS, group=8, sinks=True))
+
+
+def test_packed_empty_documents_and_capacity_tail_are_zero():
+    q, k, v, sinks, cu_q, cu_kv, mq, mk = _packed_case([50, 0, 31, 0], sinks=True, tail=7)
+    out, grads = _check_packed(dict(causal=True), q, k, v, sinks, cu_q, cu_kv, mq, mk)
+    assert out[-7:].abs().max() == 0
+    assert all(g[-7:].abs().max() == 0 for g in grads[:3])
+    assert all(torch.isfinite(g).all() for g in grads)
+
+
+def test_packed_documents_do_not_leak():
+    q, k, v, sinks, cu_q, cu_kv, mq, mk = _packed_case([100, 60, 90], sinks=True)
+    grad_out = torch.randn_like(q)
+
+    def run(q_, k_, v_):
+        leaves = [t.detach().clone().requires_grad_() for t in (q_, k_, v_, sinks)]
+        out = cudnn_attention.varlen_attention(*leaves[:3], cu_q, cu_kv, mq, mk, causal=True, window_size=(40, 0), sinks=leaves[3])
+        out.backward(grad_out)
+        return out.detach(), [t.grad for t in leaves]
+
+    base_out, base_grads = run(q, k, v)
+    doc_a = slice(0, 100)
+    q2, k2, v2 = q.detach().clone(), k.detach().clone(), v.detach().clone()
+    for t in (q2, k2, v2):
+        t[doc_a] = torch.randn_like(t[doc_a])
+    out2, grads2 = run(q2, k2, v2)
+    doc_b = slice(100, 250)
+    assert not torch.equal(out2[doc_a], base_out[doc_a])
+    assert torch.equal(out2[doc_b], base_out[doc_b]), "document B's output changed when only document A did"
+    for name, g1, g2 in zip("qkv", base_grads, grads2):
+        assert torch.equal(g1[doc_b], g2[doc_b]), f"d{name} of document B changed when only document A did"
+
+
+def _warm_and_run(fn):
+    fn()  # builds graphs (a one-time host cost that may synchronize)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        return fn()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def test_no_host_sync_dense_and_packed():
+    q, k, v, sinks = _dense_case("causal", 4, 128, torch.bfloat16, sinks=True)
+    seqlens = torch.tensor([203, 100], device=DEVICE, dtype=torch.int32)
+
+    def dense_step():
+        cudnn_attention.attention(q, k, v, causal=True, sinks=sinks, seqlens_q=seqlens, seqlens_kv=seqlens).sum().backward()
+
+    pq, pk, pv, ps, cu_q, cu_kv, mq, mk = _packed_case(ODD_LENGTHS, sinks=True, tail=3)
+
+    def packed_step():
+        cudnn_attention.varlen_attention(pq, pk, pv, cu_q, cu_kv, mq, mk, causal=True, window_size=(32, 0), sinks=ps).sum().backward()
+
+    _warm_and_run(dense_step)
+    _warm_and_run(packed_step)
+    stats = cudnn_attention.stats()
+    assert stats["cudnn_forward"] == 4 and stats["cudnn_backward"] == 4 and not stats["fallback_forward"]
+
+
+def test_cuda_graph_capture_replays_eager_results():
+    q, k, v, sinks, cu_q, cu_kv, mq, mk = _packed_case([64, 33, 100], sinks=True)
+    static = [t.detach().clone().requires_grad_() for t in (q, k, v, sinks)]
+    grad_out = torch.randn_like(q)
+
+    def step():
+        for t in static:
+            t.grad = None
+        out = cudnn_attention.varlen_attention(*static[:3], cu_q, cu_kv, mq, mk, causal=True, sinks=static[3])
+        out.backward(grad_out)
+        return out
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            eager_out = step().detach().clone()
+    torch.cuda.current_stream().wait_stream(side)
+    eager_grads = [t.grad.clone() for t in static]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graph_out = step()
+    for t, fresh in zip(static, (q, k, v, sinks)):
+        t.data.copy_(fresh.detach())
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(graph_out, eager_out)
+    for name, t, g in zip(("dq", "dk", "dv", "dsinks"), static, eager_grads):
+        assert torch.equal(t.grad, g), f"{name} differs between replay and eager"
+
+
+def test_torch_compile_fullgraph_attention_block():
+    torch.manual_seed(0)
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = torch.nn.Linear(256, 3 * 256, bias=False)
+            self.proj = torch.nn.Linear(256, 256, bias=False)
+            self.sinks = torch.nn.Parameter(torch.randn(4))
+
+        def forward(self, x_BSE):
+            B, S, _ = x_BSE.shape
+            q, k, v = self.qkv(x_BSE).view(B, S, 3, 4, 64).unbind(2)
+            out = cudnn_attention.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True, sinks=self.sinks)
+            return self.proj(out.transpose(1, 2).reshape(B, S, 256))
+
+    block = Block().to(DEVICE, torch.bfloat16)
+    x = torch.randn(2, 96, 256, device=DEVICE, dtype=torch.bfloat16)
+    eager = block(x)
+    eager.float().square().mean().backward()
+    eager_grads = [p.grad.clone() for p in block.parameters()]
+    block.zero_grad()
+    compiled = torch.compile(block, fullgraph=True)
+    out = compiled(x)
+    out.float().square().mean().backward()
+    torch.testing.assert_close(out, eager, rtol=1e-2, atol=1e-2)
+    for p, g in zip(block.parameters(), eager_grads):
+        torch.testing.assert_close(p.grad, g, rtol=1e-2, atol=1e-2)
+    assert cudnn_attention.stats()["cudnn_backward"] >= 2
+
+
+def test_deterministic_backward_is_bit_identical():
+    q, k, v, sinks, cu_q, cu_kv, mq, mk = _packed_case(ODD_LENGTHS, group=8, sinks=True)
+    grad_out = torch.randn_like(q)
+    torch.use_deterministic_algorithms(True)
+    try:
+        runs = []
+        for _ in range(2):
+            out = cudnn_attention.varlen_attention(q, k, v, cu_q, cu_kv, mq, mk, causal=True, sinks=sinks)
+            runs.append(torch.autograd.grad(out, (q, k, v, sinks), grad_out))
+    finally:
+        torch.use_deterministic_algorithms(False)
+    for name, a, b in zip(("dq", "dk", "dv", "dsinks"), *runs):
+        assert torch.equal(a, b), f"{name} differs between two deterministic backward passes"
+
+
+def test_float32_cuda_falls_back_visibly_and_strict_raises():
+    q, k, v, _ = _dense_case("causal", 1, 64, torch.bfloat16)
+    q32, k32, v32 = (t.detach().float() for t in (q, k, v))
+    out = cudnn_attention.attention(q32, k32, v32, causal=True)
+    assert cudnn_attention.stats()["fallback_forward"] == {"torch.float32 inputs (cuDNN attention runs float16/bfloat16)": 1}
+    assert out.dtype == torch.float32
+    with cudnn_attention.strict(), pytest.raises(cudnn_attention.StrictModeError, match="float32"):
+        cudnn_attention.attention(q32, k32, v32, causal=True)
+
+
+def test_configuration_cudnn_rejects_falls_back_exactly():
+    # cuDNN refuses bottom-right causal masks with more queries than keys.
+    torch.manual_seed(0)
+    q = torch.randn(1, 4, 40, 64, device=DEVICE, dtype=torch.bfloat16)
+    k = torch.randn(1, 4, 24, 64, device=DEVICE, dtype=torch.bfloat16)
+    out = cudnn_attention.attention(q, k, k, causal=True, bottom_right=True)
+    reasons = cudnn_attention.stats()["fallback_forward"]
+    assert len(reasons) == 1 and next(iter(reasons)).startswith("cuDNN rejected the forward graph")
+    assert out[:, :, :16].abs().max() == 0 and torch.isfinite(out).all()
+    cudnn_attention.attention(q, k, k, causal=True, bottom_right=True)
+    assert next(iter(cudnn_attention.stats()["fallback_forward"].values())) == 2  # the verdict is cached, counted per call
+
+
+def test_fast_execute_matches_public_execute(monkeypatch):
+    from cudnn_attention import cudnn_graphs
+
+    q, k, v, sinks, cu_q, cu_kv, mq, mk = _packed_case(ODD_LENGTHS, sinks=True)
+    results = []
+    for public in ("0", "1"):
+        monkeypatch.setenv("CUDNN_ATTENTION_PUBLIC_EXECUTE", public)
+        cudnn_graphs.clear_cache()
+        out = cudnn_attention.varlen_attention(q, k, v, cu_q, cu_kv, mq, mk, causal=True, sinks=sinks)
+        results.append((out, *torch.autograd.grad(out, (q, k, v, sinks), torch.ones_like(out))))
+        kinds = {type(g.lowered).__name__ if g.lowered is not None else None for g in cudnn_graphs._cache.values()}
+        assert (None in kinds) == (public == "1"), f"public={public}: graphs executed through {kinds}"
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+def test_opcheck_forward_and_backward_ops():
+    q, k, v, sinks, cu_q, cu_kv, mq, mk = _packed_case([40, 17])
+    dq, dk, dv, ds = _dense_case("causal", 4, 64, torch.bfloat16, sinks=True)
+    sinks32 = ds.detach().float().requires_grad_()
+    torch.library.opcheck(
+        torch.ops.cudnn_attention.forward.default, (dq, dk, dv, sinks32, None, None, None, None, 203, 203, 0.125, -1, 0, False, True)
+    )
+    torch.library.opcheck(
+        torch.ops.cudnn_attention.forward.default, (q, k, v, None, None, None, cu_q, cu_kv, mq, mk, 0.125, 16, 0, False, True)
+    )

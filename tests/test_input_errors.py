@@ -1,0 +1,94 @@
+"""Bad input raises a clear error naming the offending value, before any kernel runs."""
+
+import pytest
+import torch
+
+import cudnn_attention
+
+
+def dense(B=2, H=4, H_kv=2, S=5, D=8, dtype=torch.float32):
+    return torch.randn(B, H, S, D, dtype=dtype), torch.randn(B, H_kv, S, D, dtype=dtype), torch.randn(B, H_kv, S, D, dtype=dtype)
+
+
+def packed(T=6, H=4, H_kv=2, D=8):
+    cu = torch.tensor([0, 2, 6], dtype=torch.int32)
+    return torch.randn(T, H, D), torch.randn(T, H_kv, D), torch.randn(T, H_kv, D), cu
+
+
+@pytest.mark.parametrize(
+    "mutate, error, pattern",
+    [
+        (lambda q, k, v: (q[0], k, v), ValueError, r"q must be 4-D \(B, H, S, D\), got shape \(4, 5, 8\)"),
+        (lambda q, k, v: (q, k.half(), v), ValueError, r"share one dtype.*k=torch.float16"),
+        (lambda q, k, v: (q, k, v.to("meta")), ValueError, r"one device.*v=meta"),
+        (lambda q, k, v: (q, k[:1], v[:1]), ValueError, r"batch sizes differ: q 2, k 1, v 1"),
+        (lambda q, k, v: (q, k, v[:, :, :3]), ValueError, r"same number of keys"),
+        (lambda q, k, v: (q, k[:, :, :, :4], v), ValueError, r"same head dim, got 8 and 4"),
+        (lambda q, k, v: (q[:, :3], k, v), ValueError, r"query heads \(3\) must be a multiple of key/value heads \(2\)"),
+        (lambda q, k, v: (q.int(), k.int(), v.int()), TypeError, r"q must be a floating-point tensor, got torch.int32"),
+        (lambda q, k, v: (q.tolist(), k, v), TypeError, r"q must be a torch.Tensor, got list"),
+    ],
+)
+def test_dense_shape_and_type_errors(mutate, error, pattern):
+    with pytest.raises(error, match=pattern):
+        cudnn_attention.attention(*mutate(*dense()))
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, pattern",
+    [
+        (dict(causal=True, window_size=(4, 2)), ValueError, r"causal=True hides every future key but window_size=\(4, 2\) admits 2"),
+        (dict(window_size=(3,)), ValueError, r"window_size must be a \(left, right\) pair, got \(3,\)"),
+        (dict(window_size=(-2, 0)), ValueError, r"left bound must be >= 0, or -1 for unbounded; got -2"),
+        (dict(window_size=(1.5, 0)), TypeError, r"left bound must be an int, got 1.5"),
+        (dict(sinks=torch.zeros(3)), ValueError, r"sinks must have shape \(4,\).*got \(3,\)"),
+        (dict(sinks=torch.zeros(4, dtype=torch.int64)), TypeError, r"sinks must be a floating-point tensor"),
+        (dict(seqlens_q=torch.tensor([1, 2, 3])), ValueError, r"seqlens_q must have shape \(2,\).*got \(3,\)"),
+        (dict(seqlens_kv=torch.tensor([1.0, 2.0])), TypeError, r"seqlens_kv must be int32 or int64, got torch.float32"),
+        (dict(seqlens_q=torch.tensor([1, 9]), validate=True), ValueError, r"seqlens_q must lie in \[0, 5\], got \[1, 9\]"),
+        (dict(scale=float("nan")), ValueError, r"scale must be finite, got nan"),
+        (dict(scale="0.1"), TypeError, r"scale must be a float or None, got '0.1'"),
+    ],
+)
+def test_dense_option_errors(kwargs, error, pattern):
+    with pytest.raises(error, match=pattern):
+        cudnn_attention.attention(*dense(), **kwargs)
+
+
+@pytest.mark.parametrize(
+    "mutate, error, pattern",
+    [
+        (lambda a: {**a, "cu_seqlens_q": a["cu_seqlens_q"].float()}, TypeError, r"cu_seqlens_q must be int32 or int64, got torch.float32"),
+        (lambda a: {**a, "cu_seqlens_kv": a["cu_seqlens_kv"][None]}, ValueError, r"cu_seqlens_kv must be 1-D with B \+ 1 >= 2 entries, got shape \(1, 3\)"),
+        (lambda a: {**a, "cu_seqlens_kv": torch.tensor([0, 6], dtype=torch.int32)}, ValueError, r"different batch sizes: 2 and 1"),
+        (lambda a: {**a, "max_seqlen_q": 0}, ValueError, r"max_seqlen_q must be >= 1, got 0"),
+        (lambda a: {**a, "max_seqlen_kv": torch.tensor(4)}, TypeError, r"max_seqlen_kv must be a Python int"),
+        (lambda a: {**a, "q": a["q"][None]}, ValueError, r"q must be 3-D \(T, H, D\)"),
+        (lambda a: {**a, "cu_seqlens_q": torch.tensor([0, 4, 2], dtype=torch.int32), "validate": True}, ValueError,
+         r"non-decreasing, but entry 2 \(2\) < entry 1 \(4\)"),
+        (lambda a: {**a, "cu_seqlens_q": torch.tensor([0, 2, 9], dtype=torch.int32), "validate": True}, ValueError,
+         r"cu_seqlens_q\[-1\] = 9 exceeds the 6 packed tokens"),
+        (lambda a: {**a, "cu_seqlens_q": torch.tensor([1, 2, 6], dtype=torch.int32), "validate": True}, ValueError, r"must start at 0, got 1"),
+        (lambda a: {**a, "max_seqlen_q": 3, "validate": True}, ValueError, r"has 4 tokens, more than max_seqlen 3"),
+    ],
+)
+def test_varlen_errors(mutate, error, pattern):
+    q, k, v, cu = packed()
+    args = dict(q=q, k=k, v=v, cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=4, max_seqlen_kv=4)
+    with pytest.raises(error, match=pattern):
+        cudnn_attention.varlen_attention(**mutate(args))
+
+
+def test_options_are_keyword_only():
+    q, k, v = dense()
+    with pytest.raises(TypeError):
+        cudnn_attention.attention(q, k, v, 0.1)  # scale must be named
+
+
+def test_strided_head_dim_is_copied_and_served(caplog):
+    q, k, v = dense(D=16)
+    q_strided = q[..., ::2]
+    out = cudnn_attention.attention(q_strided, k[..., ::2], v)
+    expected = cudnn_attention.attention(q_strided.contiguous(), k[..., ::2].contiguous(), v)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    assert "innermost stride 2" in caplog.text
