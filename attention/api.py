@@ -31,8 +31,9 @@ class _CountFallbackBackward(torch.autograd.Function):
         return grad_out, None
 
 
-def _needs_grad(*tensors) -> bool:
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+def _needs_grad(q, k, v, sinks) -> bool:
+    # Plain boolean logic rather than any(generator): this runs on every call.
+    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or (sinks is not None and sinks.requires_grad))
 
 
 def _fallback_output(out, reason, needs_grad):

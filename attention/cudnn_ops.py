@@ -66,9 +66,10 @@ def _spec(direction, q, k, v, *, sinks, padded, cu_seqlens_q, max_seqlen_q, max_
     )  # fmt: skip
 
 
-def _graph_for(direction, q, k, v, *, sinks, padded, cu_seqlens_q, max_seqlen_q, max_seqlen_kv, scale, left, right, bottom_right,
-               need_lse, deterministic):  # fmt: skip
-    """The compiled graph serving this call (raises :class:`GraphRejected`)."""
+def _graph_for(direction, q, k, v, sinks, padded, cu_seqlens_q, max_seqlen_q, max_seqlen_kv, scale, left, right, bottom_right, need_lse,
+               deterministic):  # fmt: skip
+    """The compiled graph serving this call (raises :class:`GraphRejected`). Positional on purpose:
+    it runs on every call, and its signature lookup is the whole steady-state cost."""
     signature = (
         direction, q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.get_device(),
         None if cu_seqlens_q is None else cu_seqlens_q.shape[0], max_seqlen_q, max_seqlen_kv, scale, left, right, bottom_right,
@@ -93,7 +94,7 @@ def resolve_cudnn(q, k, v, *, has_sinks, padded, cu_seqlens_q, max_seqlen_q, max
     graphs cannot be built while tracing, so the answer is ``(None, None)`` and a configuration
     cuDNN rejects raises from inside the op, with the reason, at run time.
     """
-    if q.device.type != "cuda":
+    if not q.is_cuda:
         return None, f"{q.device.type} tensors"
     if q.dtype not in (torch.float16, torch.bfloat16):
         return None, f"{q.dtype} inputs (cuDNN attention runs float16/bfloat16)"
@@ -102,14 +103,12 @@ def resolve_cudnn(q, k, v, *, has_sinks, padded, cu_seqlens_q, max_seqlen_q, max
     unavailable = frontend_unavailable_reason()
     if unavailable is not None:
         return None, unavailable
-    options = dict(
-        sinks=has_sinks, padded=padded, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv,
-        scale=scale, left=left, right=right, bottom_right=bottom_right,
-    )  # fmt: skip
     try:
-        graph = _graph_for("forward", q, k, v, need_lse=need_lse, deterministic=False, **options)
+        graph = _graph_for("forward", q, k, v, has_sinks, padded, cu_seqlens_q, max_seqlen_q, max_seqlen_kv, scale, left, right, bottom_right,
+                           need_lse, False)  # fmt: skip
         if needs_grad:
-            _graph_for("backward", q, k, v, need_lse=True, deterministic=torch.are_deterministic_algorithms_enabled(), **options)
+            _graph_for("backward", q, k, v, has_sinks, padded, cu_seqlens_q, max_seqlen_q, max_seqlen_kv, scale, left, right, bottom_right,
+                       True, torch.are_deterministic_algorithms_enabled())  # fmt: skip
     except GraphRejected as rejected:
         return None, str(rejected)
     return graph, None
@@ -174,12 +173,15 @@ def _run_forward(graph, q, k, v, sinks, seqlens_q, seqlens_kv, cu_seqlens_q, cu_
 def _forward_cuda(q, k, v, sinks, seqlens_q, seqlens_kv, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, scale, window_left,
                   window_right, bottom_right, need_lse):  # fmt: skip
     q, k, v = _aligned(q, "q"), _aligned(k, "k"), _aligned(v, "v")
-    graph = _graph_for(
-        "forward", q, k, v, sinks=sinks is not None, padded=seqlens_q is not None, cu_seqlens_q=cu_seqlens_q,
-        max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv, scale=scale, left=window_left, right=window_right,
-        bottom_right=bottom_right, need_lse=need_lse, deterministic=False,
-    )  # fmt: skip
-    return _run_forward(graph, q, k, v, sinks, seqlens_q, seqlens_kv, cu_seqlens_q, cu_seqlens_kv, need_lse)
+    graph = _graph_for("forward", q, k, v, sinks is not None, seqlens_q is not None, cu_seqlens_q, max_seqlen_q, max_seqlen_kv, scale,
+                       window_left, window_right, bottom_right, need_lse, False)  # fmt: skip
+    out, lse = _run_forward(graph, q, k, v, sinks, seqlens_q, seqlens_kv, cu_seqlens_q, cu_seqlens_kv, need_lse)
+    return out, lse if lse is not None else _no_lse(q)
+
+
+def _no_lse(q):
+    # An op must return a tensor; the fake kernel returns the same empty placeholder.
+    return torch.empty((0,), dtype=torch.float32, device=q.device)
 
 
 def _backward_cuda(grad_out, q, k, v, out, lse, sinks, seqlens_q, seqlens_kv, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv,
@@ -188,11 +190,8 @@ def _backward_cuda(grad_out, q, k, v, out, lse, sinks, seqlens_q, seqlens_kv, cu
     if grad_out.stride() != out.stride() or grad_out.dtype != out.dtype or grad_out.data_ptr() % 16:
         # cuDNN reads dO with O's descriptor.
         grad_out = torch.empty_strided(out.shape, out.stride(), dtype=out.dtype, device=out.device).copy_(grad_out)
-    graph = _graph_for(
-        "backward", q, k, v, sinks=sinks is not None, padded=seqlens_q is not None, cu_seqlens_q=cu_seqlens_q,
-        max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv, scale=scale, left=window_left, right=window_right,
-        bottom_right=bottom_right, need_lse=True, deterministic=deterministic,
-    )  # fmt: skip
+    graph = _graph_for("backward", q, k, v, sinks is not None, seqlens_q is not None, cu_seqlens_q, max_seqlen_q, max_seqlen_kv, scale,
+                       window_left, window_right, bottom_right, True, deterministic)  # fmt: skip
     dq, dk, dv, dsinks = allocate_backward_outputs(q, k, v, sinks, packed=cu_seqlens_q is not None)
     operands = [q, k, v, out, grad_out, lse.unsqueeze(-1), dq, dk, dv]
     operands += _length_operands(graph, seqlens_q, seqlens_kv, cu_seqlens_q, cu_seqlens_kv)
@@ -225,7 +224,8 @@ _lib.impl("backward", _backward_cuda, "CUDA")
 @torch.library.register_fake("cudnn_attention::forward", lib=_lib)
 def _forward_fake(q, k, v, sinks, seqlens_q, seqlens_kv, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, scale, window_left,
                   window_right, bottom_right, need_lse):  # fmt: skip
-    return allocate_forward_outputs(q, v, packed=cu_seqlens_q is not None, need_lse=need_lse)
+    out, lse = allocate_forward_outputs(q, v, packed=cu_seqlens_q is not None, need_lse=need_lse)
+    return out, lse if lse is not None else _no_lse(q)
 
 
 @torch.library.register_fake("cudnn_attention::backward", lib=_lib)

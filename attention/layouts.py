@@ -56,7 +56,8 @@ def allocate_forward_outputs(
     q: torch.Tensor, v: torch.Tensor, *, packed: bool, need_lse: bool, out_strides: tuple | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` for a forward call. Dense: out adopts q's layout (``out_strides``, when the
-    caller already derived them with :func:`like_layout_strides`), lse (B, H, S_q).
+    caller already derived them with :func:`like_layout_strides`), lse (B, H, S_q); ``lse`` is
+    ``None`` when not needed.
 
     Packed: out (T, H, D_v) and lse (T, H), zero-filled so tokens past ``cu_seqlens[-1]``
     (which no kernel writes) read zero rather than stale memory.
@@ -64,12 +65,12 @@ def allocate_forward_outputs(
     if packed:
         T, H = q.shape[0], q.shape[1]
         out = torch.zeros((T, H, v.shape[-1]), dtype=q.dtype, device=q.device)
-        lse = torch.zeros((T, H) if need_lse else (0,), dtype=torch.float32, device=q.device)
+        lse = torch.zeros((T, H), dtype=torch.float32, device=q.device) if need_lse else None
         return out, lse
     B, H, S = q.shape[0], q.shape[1], q.shape[2]
     shape = (B, H, S, v.shape[-1])
     out = torch.empty_strided(shape, out_strides or like_layout_strides(shape, q), dtype=q.dtype, device=q.device)
-    lse = torch.empty((B, H, S) if need_lse else (0,), dtype=torch.float32, device=q.device)
+    lse = torch.empty((B, H, S), dtype=torch.float32, device=q.device) if need_lse else None
     return out, lse
 
 

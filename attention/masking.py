@@ -9,6 +9,7 @@ the diagonal is anchored at the last query/key pair, i.e. ``i`` is shifted by ``
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -51,13 +52,23 @@ def _as_window(window_size) -> tuple[int, int]:
 
 def make_mask_spec(*, causal: bool, bottom_right: bool, window_size) -> MaskSpec:
     """Fold ``causal``/``bottom_right``/``window_size`` into one :class:`MaskSpec`, rejecting contradictions."""
+    if type(window_size) is tuple and not torch.compiler.is_compiling():
+        # Every call asks this; the answer for a given triple never changes (errors are not cached).
+        return _memoized_mask_spec(bool(causal), bool(bottom_right), window_size)
+    return _mask_spec(bool(causal), bool(bottom_right), window_size)
+
+
+def _mask_spec(causal: bool, bottom_right: bool, window_size) -> MaskSpec:
     left, right = _as_window(window_size)
     if causal:
         if right > 0:
             raise ValueError(f"causal=True hides every future key but window_size={tuple(window_size)} admits {right} of them; pass one or the other")
         right = 0
     # Alignment only moves a band; without one it changes nothing, so drop it (one cache entry, one meaning).
-    return MaskSpec(left=left, right=right, bottom_right=bool(bottom_right) and (left >= 0 or right >= 0))
+    return MaskSpec(left=left, right=right, bottom_right=bottom_right and (left >= 0 or right >= 0))
+
+
+_memoized_mask_spec = functools.lru_cache(maxsize=256)(_mask_spec)
 
 
 def visible_keys(mask: MaskSpec, len_q: torch.Tensor, len_kv: torch.Tensor, s_q: int, s_kv: int) -> torch.Tensor:
