@@ -26,3 +26,9 @@ __all__ = [
     "strict",
     "varlen_attention",
 ]
+
+# transformers: make attn_implementation="cudnn" available once its modeling code loads. This
+# only adds a name there, and imports nothing from transformers now.
+from .integrations.hf.registration import register_when_transformers_loads as _register_with_transformers  # noqa: E402
+
+_register_with_transformers()

@@ -11,34 +11,15 @@ import torch
 from . import validation
 from .cudnn_ops import cudnn_forward, resolve_cudnn
 from .masking import make_mask_spec
-from .policy import note_fallback
+from .policy import fallback_output, note_fallback
 from .reference import dense_reference, varlen_reference
 
 __all__ = ["attention", "varlen_attention"]
 
 
-class _CountFallbackBackward(torch.autograd.Function):
-    """Identity whose backward records that the fallback served the gradient too."""
-
-    @staticmethod
-    def forward(ctx, out, reason):
-        ctx.reason = reason
-        return out.view_as(out)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        note_fallback("backward", ctx.reason)
-        return grad_out, None
-
-
 def _needs_grad(q, k, v, sinks) -> bool:
     # Plain boolean logic rather than any(generator): this runs on every call.
     return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or (sinks is not None and sinks.requires_grad))
-
-
-def _fallback_output(out, reason, needs_grad):
-    note_fallback("forward", reason)
-    return _CountFallbackBackward.apply(out, reason) if needs_grad else out
 
 
 def attention(
@@ -114,8 +95,9 @@ def attention(
             needs_grad=needs_grad,
         )  # fmt: skip
     else:
+        note_fallback("forward", reason)  # raises in strict mode, before any work
         out, lse = dense_reference(q, k, v, scale=scale, mask=mask, sinks_H=sinks, seqlens_q_B=seqlens_q, seqlens_kv_B=seqlens_kv)
-        out = _fallback_output(out, reason, needs_grad)
+        out = fallback_output(out, reason, needs_grad=needs_grad)
     return (out, lse) if return_lse else out
 
 
@@ -173,10 +155,11 @@ def varlen_attention(
             scale=scale, mask=mask, need_lse=need_lse, needs_grad=needs_grad,
         )  # fmt: skip
     else:
+        note_fallback("forward", reason)
         out, lse = varlen_reference(
             q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, scale=scale, mask=mask, sinks_H=sinks
         )
-        out = _fallback_output(out, reason, needs_grad)
+        out = fallback_output(out, reason, needs_grad=needs_grad)
     return (out, lse) if return_lse else out
 
 

@@ -14,9 +14,13 @@ import threading
 import warnings
 from collections import Counter
 
+import torch
+
 __all__ = [
     "CudnnAttentionFallbackWarning",
     "StrictModeError",
+    "count_provider",
+    "fallback_output",
     "is_strict",
     "note_fallback",
     "reset_stats",
@@ -35,7 +39,8 @@ class StrictModeError(RuntimeError):
 
 
 _lock = threading.Lock()
-_served: Counter = Counter()  # ("cudnn", direction) or ("fallback", direction, reason)
+# ("cudnn", direction), ("fallback", direction, reason), ("provider", path) or ("provider", path, reason)
+_served: Counter = Counter()
 _warned: set[str] = set()
 _strict_global: bool | None = None
 _strict_scope: contextvars.ContextVar[bool | None] = contextvars.ContextVar("cudnn_attention_strict", default=None)
@@ -46,19 +51,50 @@ def count_cudnn(direction: str) -> None:
     _served["cudnn", direction] += 1
 
 
+def count_provider(path: str, reason: str | None = None) -> None:
+    """Record one call that reached the :mod:`~cudnn_attention.provider` overrides.
+
+    ``path`` is ``"sdpa_forward"``, ``"sdpa_backward"``, ``"varlen_forward"`` or ``"varlen_backward"``
+    when this project's op served it, ``"torch_forward"``/``"torch_backward"`` with a ``reason`` when
+    it was handed to torch's own kernel. The hand-off warns once per reason but never raises in
+    strict mode: torch's kernel computes the same function, so nothing is approximated.
+    """
+    if reason is None:
+        _served["provider", path] += 1  # hot path: no lock, as in count_cudnn
+        return
+    with _lock:
+        _served["provider", path, reason] += 1
+        first = f"provider: {reason}" not in _warned
+        _warned.add(f"provider: {reason}")
+    if first:
+        warnings.warn(f"cudnn_attention provider: handing this call to torch's own kernel: {reason}", CudnnAttentionFallbackWarning, stacklevel=3)
+
+
+def _provider_stats() -> dict:
+    return {"sdpa_forward": 0, "sdpa_backward": 0, "varlen_forward": 0, "varlen_backward": 0, "torch_forward": {}, "torch_backward": {}}
+
+
 def stats() -> dict:
     """How many calls each path served since import (or :func:`reset_stats`).
 
     Returns ``{"cudnn_forward": n, "cudnn_backward": n, "fallback_forward": {reason: n},
-    "fallback_backward": {reason: n}}``. Calls replayed from a captured CUDA graph run no Python
-    and are not counted.
+    "fallback_backward": {reason: n}, "provider": {...}}``. ``"provider"`` counts the calls that
+    reached :func:`cudnn_attention.install`'s overrides: ``"sdpa_forward"``, ``"sdpa_backward"``,
+    ``"varlen_forward"``, ``"varlen_backward"`` (served here, so also counted in ``cudnn_*``) and
+    ``"torch_forward"``/``"torch_backward"`` ``{reason: n}`` (handed to torch's own kernel). Calls
+    replayed from a captured CUDA graph run no Python and are not counted.
     """
     with _lock:
         snapshot = dict(_served)
-    result: dict = {"cudnn_forward": 0, "cudnn_backward": 0, "fallback_forward": {}, "fallback_backward": {}}
+    result: dict = {"cudnn_forward": 0, "cudnn_backward": 0, "fallback_forward": {}, "fallback_backward": {}, "provider": _provider_stats()}
     for key, count in snapshot.items():
         if key[0] == "cudnn":
             result[f"cudnn_{key[1]}"] += count
+        elif key[0] == "provider":
+            if len(key) == 2:
+                result["provider"][key[1]] += count
+            else:
+                result["provider"][key[1]][key[2]] = count
         else:
             result[f"fallback_{key[1]}"][key[2]] = count
     return result
@@ -81,10 +117,15 @@ def is_strict() -> bool:
     return os.environ.get("CUDNN_ATTENTION_STRICT", "0").strip().lower() in ("1", "true", "yes", "on")
 
 
-def set_strict(enabled: bool | None) -> None:
-    """Set strict mode process-wide; ``None`` defers to ``CUDNN_ATTENTION_STRICT`` again."""
+def set_strict(enabled: bool | None) -> bool | None:
+    """Set strict mode process-wide; ``None`` defers to ``CUDNN_ATTENTION_STRICT`` again.
+
+    Returns the previous process-wide setting, so a caller can put it back.
+    """
     global _strict_global
+    previous = _strict_global
     _strict_global = None if enabled is None else bool(enabled)
+    return previous
 
 
 @contextlib.contextmanager
@@ -100,6 +141,26 @@ def strict(enabled: bool = True):
         yield
     finally:
         _strict_scope.reset(token)
+
+
+class _CountFallbackBackward(torch.autograd.Function):
+    """Identity whose backward records that the fallback served the gradient too."""
+
+    @staticmethod
+    def forward(ctx, out, reason):
+        ctx.reason = reason
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        note_fallback("backward", ctx.reason)
+        return grad_out, None
+
+
+def fallback_output(out: torch.Tensor, reason: str, *, needs_grad: bool) -> torch.Tensor:
+    """Arrange for the backward of a fallback output to be counted (the forward was recorded,
+    and refused in strict mode, by :func:`note_fallback` before it ran)."""
+    return _CountFallbackBackward.apply(out, reason) if needs_grad else out
 
 
 def note_fallback(direction: str, reason: str) -> None:

@@ -1,0 +1,44 @@
+"""Tiny random transformers models built from configs (no downloads), shared by the HF tests."""
+
+import torch
+
+VOCAB = 96
+
+
+def build(name: str, attn_implementation: str = "eager", dtype=torch.float32, device="cpu", head_dim=16):
+    """head_dim 16 keeps CPU tests fast; GPU tests use 64, a size cuDNN's kernels serve."""
+    import transformers as tf
+
+    common = dict(vocab_size=VOCAB, hidden_size=4 * head_dim, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0, eos_token_id=1, bos_token_id=2)  # fmt: skip
+    if name == "llama":
+        config = tf.LlamaConfig(**common)
+        cls = tf.LlamaForCausalLM
+    elif name == "mistral":
+        config = tf.MistralConfig(**common, sliding_window=4)
+        cls = tf.MistralForCausalLM
+    elif name == "qwen2":
+        # Layer 0 full attention, layer 1 sliding.
+        config = tf.Qwen2Config(**common, use_sliding_window=True, sliding_window=4, max_window_layers=1)
+        cls = tf.Qwen2ForCausalLM
+    elif name == "gemma2":
+        config = tf.Gemma2Config(**common, head_dim=head_dim, sliding_window=4, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+                                 query_pre_attn_scalar=head_dim)  # fmt: skip
+        cls = tf.Gemma2ForCausalLM
+    elif name == "gpt_oss":
+        config = tf.GptOssConfig(**common, head_dim=head_dim, sliding_window=4, num_local_experts=4,
+                                 num_experts_per_tok=2, layer_types=["sliding_attention", "full_attention"])  # fmt: skip
+        cls = tf.GptOssForCausalLM
+    else:
+        raise ValueError(name)
+    torch.manual_seed(0)
+    model = cls(config).to(device=device, dtype=dtype)
+    with torch.no_grad():
+        for module in model.modules():
+            if hasattr(module, "sinks"):
+                module.sinks.normal_()  # zero-initialized sinks would hide sink bugs
+    model.set_attn_implementation(attn_implementation)
+    return model.eval()
+
+
+MODELS = ["llama", "mistral", "qwen2", "gemma2", "gpt_oss"]
