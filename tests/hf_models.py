@@ -5,8 +5,12 @@ import torch
 VOCAB = 96
 
 
-def build(name: str, attn_implementation: str = "eager", dtype=torch.float32, device="cpu", head_dim=16):
-    """head_dim 16 keeps CPU tests fast; GPU tests use 64, a size cuDNN's kernels serve."""
+def build(name: str, attn_implementation: str = "eager", dtype=torch.float32, device="cpu", head_dim=16, moe_top_k=2):
+    """head_dim 16 keeps CPU tests fast; GPU tests use 64, a size cuDNN's kernels serve.
+
+    ``moe_top_k``: gpt-oss routes each token to its top-k experts; in bf16 a near tie flips the
+    choice under any rounding difference and moves logits by far more than the rounding itself,
+    so bf16 comparisons route to every expert (k = 4), which keeps routing continuous."""
     import transformers as tf
 
     common = dict(vocab_size=VOCAB, hidden_size=4 * head_dim, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -27,7 +31,7 @@ def build(name: str, attn_implementation: str = "eager", dtype=torch.float32, de
         cls = tf.Gemma2ForCausalLM
     elif name == "gpt_oss":
         config = tf.GptOssConfig(**common, head_dim=head_dim, sliding_window=4, num_local_experts=4,
-                                 num_experts_per_tok=2, layer_types=["sliding_attention", "full_attention"])  # fmt: skip
+                                 num_experts_per_tok=moe_top_k, layer_types=["sliding_attention", "full_attention"])  # fmt: skip
         cls = tf.GptOssForCausalLM
     else:
         raise ValueError(name)

@@ -63,27 +63,36 @@ def _dense_case(mask_name, group, head_dim, dtype, sinks=False, seed=0):
     return q, k, v, s
 
 
-def _check_dense(options, q, k, v, sinks, seqlens=(None, None)):
-    grad_out = torch.randn(q.shape, device=DEVICE, dtype=q.dtype)
+def _check_against_references(run_cudnn, run_reference, options, q, k, v, sinks):
+    """Run cuDNN (strict: it must serve forward and backward) and the reference in fp32 and in the
+    input dtype; every output and gradient must sit within the low-precision noise."""
+    grad_out = torch.randn(q.shape[:-1] + v.shape[-1:], device=DEVICE, dtype=q.dtype)
     cudnn_attention.reset_stats()
     with cudnn_attention.strict():
-        out = cudnn_attention.attention(q, k, v, sinks=sinks, seqlens_q=seqlens[0], seqlens_kv=seqlens[1], **options)
+        out = run_cudnn(q, k, v, sinks=sinks, **options)
         grads = _grads(out, (q, k, v, sinks), grad_out)
     assert cudnn_attention.stats()["cudnn_forward"] == 1 and cudnn_attention.stats()["cudnn_backward"] == 1
     mask = make_mask_spec(causal=options.get("causal", False), bottom_right=options.get("bottom_right", False),
                           window_size=options.get("window_size", (-1, -1)))  # fmt: skip
     results = {}
     for dtype in (torch.float32, q.dtype):
-        leaves = [t.detach().float().requires_grad_() if dtype == torch.float32 else t.detach().clone().requires_grad_() for t in (q, k, v)]
+        leaves = [t.detach().clone().to(dtype).requires_grad_() for t in (q, k, v)]
         sink_leaf = None if sinks is None else sinks.detach().clone().to(dtype).requires_grad_()
-        ref, _ = dense_reference(*leaves, scale=q.shape[-1] ** -0.5, mask=mask, sinks_H=sink_leaf, seqlens_q_B=seqlens[0],
-                                 seqlens_kv_B=seqlens[1], compute_dtype=dtype)  # fmt: skip
+        ref, _ = run_reference(*leaves, scale=q.shape[-1] ** -0.5, mask=mask, sinks_H=sink_leaf, compute_dtype=dtype)
         results[dtype] = (ref, _grads(ref, (*leaves, sink_leaf), grad_out.to(ref.dtype)))
     (ref, ref_grads), (lowp, lowp_grads) = results[torch.float32], results[q.dtype]
     assert_within_lowp_noise("out", out, ref, lowp)
     for name, got, want, base in zip(("dq", "dk", "dv", "dsinks"), grads, ref_grads, lowp_grads):
         assert_within_lowp_noise(name, got, want, base)
     return out, grads
+
+
+def _check_dense(options, q, k, v, sinks, seqlens=(None, None)):
+    return _check_against_references(
+        lambda *t, **kw: cudnn_attention.attention(*t, seqlens_q=seqlens[0], seqlens_kv=seqlens[1], **kw),
+        lambda *t, **kw: dense_reference(*t, seqlens_q_B=seqlens[0], seqlens_kv_B=seqlens[1], **kw),
+        options, q, k, v, sinks,
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize("mask_name, group, head_dim, dtype", GRID)
@@ -122,26 +131,11 @@ def _packed_case(lengths, group=4, head_dim=64, dtype=torch.bfloat16, sinks=Fals
 
 
 def _check_packed(options, q, k, v, sinks, cu_q, cu_kv, max_q, max_kv):
-    grad_out = torch.randn(q.shape[0], q.shape[1], v.shape[2], device=DEVICE, dtype=q.dtype)
-    cudnn_attention.reset_stats()
-    with cudnn_attention.strict():
-        out = cudnn_attention.varlen_attention(q, k, v, cu_q, cu_kv, max_q, max_kv, sinks=sinks, **options)
-        grads = _grads(out, (q, k, v, sinks), grad_out)
-    assert cudnn_attention.stats()["cudnn_forward"] == 1 and cudnn_attention.stats()["cudnn_backward"] == 1
-    mask = make_mask_spec(causal=options.get("causal", False), bottom_right=options.get("bottom_right", False),
-                          window_size=options.get("window_size", (-1, -1)))  # fmt: skip
-    results = {}
-    for dtype in (torch.float32, q.dtype):
-        leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
-        sink_leaf = None if sinks is None else sinks.detach().to(dtype).requires_grad_()
-        ref, _ = varlen_reference(*leaves, cu_q, cu_kv, max_q, max_kv, scale=q.shape[-1] ** -0.5, mask=mask, sinks_H=sink_leaf,
-                                  compute_dtype=dtype)  # fmt: skip
-        results[dtype] = (ref, _grads(ref, (*leaves, sink_leaf), grad_out.to(ref.dtype)))
-    (ref, ref_grads), (lowp, lowp_grads) = results[torch.float32], results[q.dtype]
-    assert_within_lowp_noise("out", out, ref, lowp)
-    for name, got, want, base in zip(("dq", "dk", "dv", "dsinks"), grads, ref_grads, lowp_grads):
-        assert_within_lowp_noise(name, got, want, base)
-    return out, grads
+    return _check_against_references(
+        lambda *t, **kw: cudnn_attention.varlen_attention(*t, cu_q, cu_kv, max_q, max_kv, **kw),
+        lambda *t, **kw: varlen_reference(*t, cu_q, cu_kv, max_q, max_kv, **kw),
+        options, q, k, v, sinks,
+    )  # fmt: skip
 
 
 ODD_LENGTHS = [129, 1, 77, 300, 5]  # five documents (bucketed to six), a length-1 one among them

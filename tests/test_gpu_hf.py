@@ -13,7 +13,7 @@ DEVICE = "cuda"
 
 
 def gpu_model(name, impl, dtype=torch.bfloat16):
-    return build(name, impl, dtype=dtype, device=DEVICE, head_dim=64)
+    return build(name, impl, dtype=dtype, device=DEVICE, head_dim=64, moe_top_k=4)
 
 
 def assert_within_bf16_noise(what, got, fp32_ref, bf16_eager):
