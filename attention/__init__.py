@@ -12,13 +12,17 @@ nothing else; the cuDNN frontend is imported on the first GPU call.
 
 from .api import attention, varlen_attention
 from .policy import CudnnAttentionFallbackWarning, StrictModeError, is_strict, reset_stats, set_strict, stats, strict
+from .provider import ProviderHandle, enabled, install
 
 __version__ = "0.1.0"
 
 __all__ = [
     "CudnnAttentionFallbackWarning",
+    "ProviderHandle",
     "StrictModeError",
     "attention",
+    "enabled",
+    "install",
     "is_strict",
     "reset_stats",
     "set_strict",

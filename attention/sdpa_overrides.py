@@ -1,0 +1,275 @@
+"""Kernels that stand in for torch's cuDNN SDPA ops and ``torch_attn::_varlen_attn*`` while the provider is installed.
+
+They are registered at the ``CUDA`` dispatch key by :mod:`cudnn_attention.provider`, i.e. *below*
+autograd: torch's own autograd formula for each op still runs, saves what these kernels return, and
+calls the (also overridden) backward. Each kernel therefore returns exactly what torch's kernel
+returns (shapes from torch's meta/fake kernels, so compiled graphs plan for the real tensors).
+
+Served on ``torch.ops.cudnn_attention.forward``/``backward``: calls without attention bias, dropout
+or a debug mask that :func:`cudnn_attention.cudnn_ops.resolve_cudnn` accepts (the same one
+predicate for both directions that :func:`cudnn_attention.attention` uses, so a call never starts
+here and finishes elsewhere). Everything else runs torch's own implementation, and is counted
+(``stats()["provider"]["torch_forward"]``) with its reason.
+
+Legend: B batch, H heads, S sequence, D head dim, T packed tokens.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from . import validation
+from .cudnn_ops import resolve_cudnn
+from .masking import make_mask_spec
+from .policy import count_provider
+
+__all__ = ["sdpa_backward", "sdpa_forward", "varlen_backward", "varlen_forward", "varlen_forward_out"]
+
+_NO_WINDOW = (-1, -1)
+
+# Whether this torch's logsumexp for the dense cuDNN op is (B, H, S, 1) (its meta kernel says so in
+# 2.13) or (B, H, S); set by the provider at install time from the meta kernel. Same bytes either way.
+lse_has_trailing_one = True
+
+
+def _defined(t) -> bool:
+    # Tensor (not Tensor?) arguments of an aten backward arrive as None when torch passes an
+    # undefined tensor; an empty one means the same thing.
+    return t is not None and t.numel() > 0
+
+
+def _dense_gap(attn_bias, dropout_p, *, debug_mask=False, cum_seq=None) -> str | None:
+    """What this project's ops do not do, checked first (no device reads): torch's kernel serves these."""
+    if _defined(attn_bias):
+        return "attention bias"
+    if dropout_p > 0.0:
+        return "dropout"
+    if debug_mask:
+        return "debug attention mask"
+    if _defined(cum_seq):
+        return "packed sequences (cum_seq)"
+    return None
+
+
+def _resolve(q, k, v, *, cu_seqlens_q, cu_seqlens_kv, max_q, max_kv, is_causal, bottom_right, window_size, scale, needs_grad):
+    """``(q, k, v, scale, mask, reason)``: the core's input checks and :func:`resolve_cudnn`;
+    ``reason`` is None when this project's op serves the call."""
+    packed = cu_seqlens_q is not None
+    try:
+        q, k, v = validation.check_qkv(q, k, v, packed=packed)
+        if packed:
+            validation.check_cu_seqlens(cu_seqlens_q, cu_seqlens_kv, max_q, max_kv, q.device)
+        scale = validation.resolve_scale(scale, q.shape[-1])
+        mask = make_mask_spec(causal=is_causal, bottom_right=bottom_right, window_size=window_size)
+    except (TypeError, ValueError) as exc:
+        return q, k, v, scale, None, str(exc)
+    if q.numel() == 0 or k.numel() == 0:
+        return q, k, v, scale, mask, "empty inputs"
+    _graph, reason = resolve_cudnn(
+        q, k, v, has_sinks=False, padded=False, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_q, max_seqlen_kv=max_kv, scale=scale,
+        left=mask.left, right=mask.right, bottom_right=mask.bottom_right, need_lse=needs_grad, needs_grad=needs_grad,
+    )  # fmt: skip
+    return q, k, v, scale, mask, reason
+
+
+# ----------------------------------------------------------------------------------------------
+# aten::_scaled_dot_product_cudnn_attention{,_backward}: dense (B, H, S, D)
+# ----------------------------------------------------------------------------------------------
+
+
+def sdpa_forward(query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0, is_causal=False, return_debug_mask=False, *, scale=None):
+    """``aten::_scaled_dot_product_cudnn_attention`` on CUDA.
+
+    Returns torch's 9-tuple ``(out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, philox_seed,
+    philox_offset, debug_attn_mask)``; the undefined entries are ``None``.
+    """
+    S_q, S_kv = query.size(-2), key.size(-2)
+    reason = _dense_gap(attn_bias, dropout_p, debug_mask=return_debug_mask)
+    if reason is None:
+        # F.scaled_dot_product_attention asks for the LSE exactly when a backward will follow.
+        q, k, v, scale_f, mask, reason = _resolve(
+            query, key, value, cu_seqlens_q=None, cu_seqlens_kv=None, max_q=S_q, max_kv=S_kv, is_causal=is_causal, bottom_right=False,
+            window_size=_NO_WINDOW, scale=scale, needs_grad=compute_log_sumexp,
+        )  # fmt: skip
+    if reason is not None:
+        count_provider("torch_forward", reason)
+        return torch.ops.aten._cudnn_attention_forward(
+            query, key, value, attn_bias, None, None, S_q, S_kv, compute_log_sumexp, dropout_p, is_causal, return_debug_mask, scale=scale
+        )
+    # F.scaled_dot_product_attention's causal mask is top-left aligned, hence bottom_right=False.
+    out, lse = torch.ops.cudnn_attention.forward(
+        q, k, v, None, None, None, None, None, S_q, S_kv, scale_f, mask.left, mask.right, False, compute_log_sumexp
+    )
+    count_provider("sdpa_forward")
+    B, H = q.shape[0], q.shape[1]
+    if not compute_log_sumexp:
+        # Our op returns an empty placeholder; torch's kernels (and its meta kernel, which compiled
+        # graphs check against) return a full-size buffer. Uninitialized: nothing reads it.
+        lse = torch.empty((B, H, S_q), dtype=torch.float32, device=q.device)
+    if lse_has_trailing_one:
+        lse = lse.unsqueeze(-1)
+    # No dropout, so the RNG state is never read (torch's backward ignores it at dropout_p == 0).
+    seed = torch.empty((), dtype=torch.long, device=q.device)
+    offset = torch.empty((), dtype=torch.long, device=q.device)
+    return out, lse, None, None, S_q, S_kv, seed, offset, None
+
+
+def sdpa_backward(grad_out, query, key, value, out, logsumexp, philox_seed, philox_offset, attn_bias, cum_seq_q, cum_seq_k, max_q, max_k,
+                  dropout_p, is_causal, *, scale=None):  # fmt: skip
+    """``aten::_scaled_dot_product_cudnn_attention_backward`` on CUDA: ``(dq, dk, dv)``."""
+    S_q, S_kv = query.size(-2), key.size(-2)
+    reason = _dense_gap(attn_bias, dropout_p, cum_seq=cum_seq_q)
+    if reason is None:
+        q, k, v, scale_f, mask, reason = _resolve(
+            query, key, value, cu_seqlens_q=None, cu_seqlens_kv=None, max_q=S_q, max_kv=S_kv, is_causal=is_causal, bottom_right=False,
+            window_size=_NO_WINDOW, scale=scale, needs_grad=True,
+        )  # fmt: skip
+    if reason is not None:
+        count_provider("torch_backward", reason)
+        return torch.ops.aten._cudnn_attention_backward(
+            grad_out, query, key, value, out, logsumexp, philox_seed, philox_offset, attn_bias, cum_seq_q, cum_seq_k, max_q, max_k,
+            dropout_p, is_causal, scale=scale,
+        )  # fmt: skip
+    lse_BHS = logsumexp.squeeze(-1) if logsumexp.dim() == 4 else logsumexp
+    dq, dk, dv, _ = torch.ops.cudnn_attention.backward(
+        grad_out, q, k, v, out, lse_BHS, None, None, None, None, None, S_q, S_kv, scale_f, mask.left, mask.right, False,
+        torch.are_deterministic_algorithms_enabled(),
+    )  # fmt: skip
+    count_provider("sdpa_backward")
+    return dq, dk, dv
+
+
+# ----------------------------------------------------------------------------------------------
+# torch_attn::_varlen_attn{,_out,_backward}: packed (T, H, D) with prefix sums
+# ----------------------------------------------------------------------------------------------
+
+
+class _VarlenCall(NamedTuple):
+    """The arguments of ``torch_attn::_varlen_attn`` (and of ``_out`` after ``out``) as of torch 2.13.
+    Kernels take ``*args, **kwargs`` and hand them to torch's body verbatim, so an older schema
+    with fewer trailing arguments still works (the missing ones keep these defaults)."""
+
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    cu_seq_q: torch.Tensor
+    cu_seq_k: torch.Tensor | None
+    max_q: int
+    max_k: int
+    is_causal: bool = False
+    scale: float | None = None
+    window_size: list | None = None
+    enable_gqa: bool = False
+    seqused_k: torch.Tensor | None = None
+    block_table: torch.Tensor | None = None
+    num_splits: int | None = None
+
+
+class _VarlenBackwardCall(NamedTuple):
+    """The arguments of ``torch_attn::_varlen_attn_backward`` as of torch 2.13."""
+
+    grad_out: torch.Tensor
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    out: torch.Tensor
+    lse: torch.Tensor
+    cu_seq_q: torch.Tensor
+    cu_seq_k: torch.Tensor | None
+    max_q: int
+    max_k: int
+    is_causal: bool
+    rng_state: torch.Tensor
+    scale: float | None = None
+    window_size: list | None = None
+
+
+def _stock(op_name: str):
+    """torch's own Python body of a ``torch_attn`` custom op (the flash kernels): the CUDA override
+    shadows it in the dispatcher, but it is still a plain function on the op's definition."""
+    from torch.nn.attention import varlen
+
+    return getattr(varlen, op_name)._init_fn
+
+
+def _varlen_resolve(call):
+    """``(q, k, v, scale, mask, reason)`` for a varlen call (forward or backward)."""
+    if getattr(call, "seqused_k", None) is not None or getattr(call, "block_table", None) is not None:
+        return None, None, None, None, None, "paged or partially used KV cache (seqused_k/block_table)"
+    if getattr(call, "num_splits", None) is not None:
+        return None, None, None, None, None, "num_splits (flash's split-KV control)"
+    if call.cu_seq_k is None:
+        return None, None, None, None, None, "no cu_seq_k"
+    window = (-1, -1) if call.window_size is None else tuple(int(bound) for bound in call.window_size)
+    # torch's varlen ops run FlashAttention, whose causal/window diagonal is anchored at the last
+    # query and key of each document (bottom right); identical to top left when lengths match.
+    # Always resolved as a training call: the op cannot see whether a backward will follow, and
+    # one verdict for both directions keeps the LSE handed between them consistent.
+    return _resolve(
+        call.query, call.key, call.value, cu_seqlens_q=call.cu_seq_q, cu_seqlens_kv=call.cu_seq_k, max_q=call.max_q, max_kv=call.max_k,
+        is_causal=call.is_causal, bottom_right=True, window_size=window, scale=call.scale, needs_grad=True,
+    )  # fmt: skip
+
+
+def _varlen_run(call, q, k, v, scale, mask):
+    out, lse_TH = torch.ops.cudnn_attention.forward(
+        q,
+        k,
+        v,
+        None,
+        None,
+        None,
+        call.cu_seq_q,
+        call.cu_seq_k,
+        call.max_q,
+        call.max_k,
+        scale,
+        mask.left,
+        mask.right,
+        mask.bottom_right,
+        True,
+    )
+    count_provider("varlen_forward")
+    # torch's varlen LSE is (H, T), contiguous (its fake kernel allocates it so).
+    return out, lse_TH.t().contiguous()
+
+
+def varlen_forward(*args, **kwargs):
+    """``torch_attn::_varlen_attn`` on CUDA: ``(out (T, H, D), lse (H, T) float32, rng_state (2,) uint64)``."""
+    call = _VarlenCall(*args, **kwargs)
+    q, k, v, scale, mask, reason = _varlen_resolve(call)
+    if reason is not None:
+        count_provider("torch_forward", reason)
+        return _stock("_varlen_attn")(*args, **kwargs)
+    out, lse_HT = _varlen_run(call, q, k, v, scale, mask)
+    # No dropout: torch's own body returns zeros here too.
+    return out, lse_HT, torch.zeros((2,), dtype=torch.uint64, device=q.device)
+
+
+def varlen_forward_out(out, *args, **kwargs):
+    """``torch_attn::_varlen_attn_out`` on CUDA: writes ``out`` and returns ``lse`` (H, T)."""
+    call = _VarlenCall(*args, **kwargs)
+    q, k, v, scale, mask, reason = _varlen_resolve(call)
+    if reason is not None:
+        count_provider("torch_forward", reason)
+        return _stock("_varlen_attn_out")(out, *args, **kwargs)
+    result, lse_HT = _varlen_run(call, q, k, v, scale, mask)
+    out.copy_(result)
+    return lse_HT
+
+
+def varlen_backward(*args, **kwargs):
+    """``torch_attn::_varlen_attn_backward`` on CUDA: ``(dq, dk, dv)``."""
+    call = _VarlenBackwardCall(*args, **kwargs)
+    q, k, v, scale, mask, reason = _varlen_resolve(call)
+    if reason is not None:
+        count_provider("torch_backward", reason)
+        return _stock("_varlen_attn_backward")(*args, **kwargs)
+    dq, dk, dv, _ = torch.ops.cudnn_attention.backward(
+        call.grad_out, q, k, v, call.out, call.lse.t().contiguous(), None, None, None, call.cu_seq_q, call.cu_seq_k, call.max_q, call.max_k,
+        scale, mask.left, mask.right, mask.bottom_right, torch.are_deterministic_algorithms_enabled(),
+    )  # fmt: skip
+    count_provider("varlen_backward")
+    return dq, dk, dv

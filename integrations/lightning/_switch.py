@@ -1,0 +1,264 @@
+"""What the Lightning callbacks turn on and off, with no Lightning import: shared by both namespaces and Fabric.
+
+:class:`AttentionSwitch` holds one activation: the provider (:func:`cudnn_attention.install`),
+strict mode, and every Hugging Face model it moved to ``attn_implementation="cudnn"`` with the
+implementation to give back. :class:`CudnnAttentionHooks` maps Lightning's hooks onto it; the
+``CudnnAttention`` classes only add the namespace's ``Callback`` base.
+
+Each resource is given back only by the switch that took it: a provider another party installed
+stays installed, a model another switch moved is left to that switch. That keeps nested and
+duplicate switches (the env-var entry point next to an explicit callback) harmless.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+import weakref
+
+import cudnn_attention
+from cudnn_attention import provider as _provider
+
+__all__ = ["AttentionSwitch", "CudnnAttentionHooks", "fabric_attention"]
+
+_log = logging.getLogger(__name__)
+
+HF_IMPLEMENTATION = "cudnn"
+METRIC_PREFIX = "cudnn_attention/"
+
+# model -> the implementation it had before a switch moved it; shared so that a second switch
+# never records "cudnn" as a model's previous implementation.
+_switched_models: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+class AttentionSwitch:
+    """One activation of cuDNN attention: :meth:`activate`, :meth:`switch_models` (repeatable), :meth:`deactivate`."""
+
+    def __init__(self, *, strict: bool = False, provider: bool = True, hf_models: bool = True):
+        self.strict = strict
+        self.provider = provider
+        self.hf_models = hf_models
+        self._handle = None  # the provider handle, when this switch installed it
+        self._strict_previous = None
+        self._strict_held = False
+        self._models: list = []  # weak references to the models this switch moved
+        self._baseline: dict | None = None
+
+    @property
+    def active(self) -> bool:
+        return self._baseline is not None
+
+    def activate(self) -> None:
+        """Install the provider and enter strict mode, as configured (idempotent)."""
+        if self.active:
+            return
+        self._baseline = _flat_counts(cudnn_attention.stats())
+        if self.strict:
+            self._strict_previous = cudnn_attention.set_strict(True)
+            self._strict_held = True
+        if self.provider and _provider.current() is None:
+            self._handle = cudnn_attention.install()
+
+    def switch_models(self, module) -> int:
+        """Move every Hugging Face model in ``module`` to ``"cudnn"``; returns how many models this switch holds."""
+        if not self.hf_models or "transformers" not in sys.modules:
+            return 0  # no transformers imported: no PreTrainedModel can exist
+        from transformers import PreTrainedModel
+
+        from cudnn_attention.integrations.hf import register
+
+        register()  # idempotent: "cudnn" in transformers' AttentionInterface and AttentionMaskInterface
+        for model in _outermost(module, PreTrainedModel):
+            if model not in _switched_models:
+                _switched_models[model] = _implementation_of(model)
+                self._models.append(weakref.ref(model))
+            elif not any(ref() is model for ref in self._models):
+                continue  # another switch holds it and will give it back
+            # Re-applied at every stage start: a model built in configure_model, or one a user
+            # moved in between, runs "cudnn" again for the next loop.
+            model.set_attn_implementation(HF_IMPLEMENTATION)
+        return len(self._models)
+
+    def deactivate(self) -> None:
+        """Give every model its previous implementation back, remove the provider and strict mode (idempotent)."""
+        for ref in reversed(self._models):
+            model = ref()
+            if model is not None and model in _switched_models:
+                model.set_attn_implementation(_switched_models.pop(model))
+        self._models = []
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+        if self._strict_held:
+            cudnn_attention.set_strict(self._strict_previous)
+            self._strict_held = False
+        self._baseline = None
+
+    def counts(self) -> dict[str, float]:
+        """Calls served since :meth:`activate`, flat and prefixed ``cudnn_attention/`` for a logger."""
+        now = _flat_counts(cudnn_attention.stats())
+        base = self._baseline or {}
+        # max(0, ...): a reset_stats() in between restarts the counters.
+        return {f"{METRIC_PREFIX}{key}": float(max(0, value - base.get(key, 0))) for key, value in now.items()}
+
+    def __getstate__(self) -> dict:
+        # ddp_spawn pickles callbacks into new processes: carry the options, never live handles.
+        return {"strict": self.strict, "provider": self.provider, "hf_models": self.hf_models}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(**state)
+
+
+class CudnnAttentionHooks:
+    """Lightning hooks over an :class:`AttentionSwitch`; mixed into each namespace's ``Callback``.
+
+    Args:
+        strict: make every fallback from cuDNN raise :class:`cudnn_attention.StrictModeError` while
+            the trainer runs (``cudnn_attention.set_strict(True)``; the previous setting comes back).
+        provider: install :func:`cudnn_attention.install` (``F.scaled_dot_product_attention`` on
+            the cuDNN backend and ``varlen_attn`` run on this project's ops).
+        hf_models: switch every ``transformers.PreTrainedModel`` inside the LightningModule to
+            ``attn_implementation="cudnn"`` at each fit/validate/test/predict start, and back after.
+        log_stats: at each training epoch end, log the calls each path served since setup
+            (``cudnn_attention/cudnn_forward``, ``.../fallback_forward``, ``.../provider_torch_forward``,
+            ...) to the trainer's loggers, from rank zero.
+    """
+
+    def __init__(self, *, strict: bool = False, provider: bool = True, hf_models: bool = True, log_stats: bool = True):
+        super().__init__()
+        self.strict = strict
+        self.provider = provider
+        self.hf_models = hf_models
+        self.log_stats = log_stats
+        self._switch: AttentionSwitch | None = None  # created in setup / on_after_setup, never pickled live
+
+    # -- state --------------------------------------------------------------------------------
+
+    def _activate(self) -> AttentionSwitch:
+        if self._switch is None:
+            self._switch = AttentionSwitch(strict=self.strict, provider=self.provider, hf_models=self.hf_models)
+        self._switch.activate()
+        return self._switch
+
+    def deactivate(self) -> None:
+        """Undo everything this callback turned on (what ``teardown`` and ``on_exception`` call; Fabric users call it themselves)."""
+        if self._switch is not None:
+            self._switch.deactivate()
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["_switch"] = None
+        return state
+
+    # -- Lightning Trainer hooks --------------------------------------------------------------
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        # Every rank, before the strategy wraps the model and before any compile trace.
+        for other in trainer.callbacks:
+            if other is self:
+                break
+            if isinstance(other, CudnnAttentionHooks):
+                # e.g. CUDNN_ATTENTION=1 next to an explicit callback: one switch is enough.
+                _log.info("cudnn_attention: another CudnnAttention callback runs first; this one stays inactive")
+                return
+        self._activate()
+
+    def _switch_models(self, pl_module) -> None:
+        if self._switch is not None:
+            self._switch.switch_models(pl_module)
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        self._switch_models(pl_module)
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        self._switch_models(pl_module)
+
+    def on_test_start(self, trainer, pl_module) -> None:
+        self._switch_models(pl_module)
+
+    def on_predict_start(self, trainer, pl_module) -> None:
+        self._switch_models(pl_module)
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        if not self.log_stats or self._switch is None or not trainer.is_global_zero:
+            return
+        metrics = self._switch.counts()
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
+
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        self.deactivate()
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        # Lightning skips teardown hooks after an exception; this is the only chance to undo.
+        self.deactivate()
+
+    # -- Fabric -------------------------------------------------------------------------------
+
+    def on_after_setup(self, fabric, module) -> None:
+        """Fabric hook (``Fabric(callbacks=[CudnnAttention()])``, then ``fabric.setup(model)``): activate
+        and switch the models in ``module``. Fabric has no teardown hook: call :meth:`deactivate`, or
+        use :func:`fabric_attention` instead."""
+        self._activate().switch_models(module)
+
+
+@contextlib.contextmanager
+def fabric_attention(module, *, strict: bool = False, provider: bool = True, hf_models: bool = True):
+    """Context manager: cuDNN attention for ``module`` inside the block, everything restored after (also on error).
+
+    Works with any ``torch.nn.Module`` (a Fabric-wrapped one included); the options are the
+    callback's.
+
+    Example:
+        >>> model = fabric.setup(model)
+        >>> with fabric_attention(model):
+        ...     for batch in loader:
+        ...         fabric.backward(model(**batch).loss)
+    """
+    switch = AttentionSwitch(strict=strict, provider=provider, hf_models=hf_models)
+    switch.activate()
+    try:
+        switch.switch_models(module)
+        yield switch
+    finally:
+        switch.deactivate()
+
+
+# ----------------------------------------------------------------------------------------------
+# Helpers
+# ----------------------------------------------------------------------------------------------
+
+
+def _outermost(module, model_type) -> list:
+    """Instances of ``model_type`` in ``module`` that are not inside another one: transformers
+    propagates ``set_attn_implementation`` to its own submodels."""
+    found = [m for m in module.modules() if isinstance(m, model_type)]
+    inner = {id(sub) for model in found for sub in model.modules() if sub is not model}
+    return [model for model in found if id(model) not in inner]
+
+
+def _implementation_of(model):
+    """What ``set_attn_implementation`` needs to restore ``model``: a string, or for a composite
+    model a dict with ``""`` for the top level and one entry per sub-config."""
+    config = model.config
+    parts = {}
+    for key in getattr(config, "sub_configs", None) or {}:
+        sub = getattr(config, key, None)
+        if sub is not None:
+            parts[key] = sub._attn_implementation
+    return {"": config._attn_implementation, **parts} if parts else config._attn_implementation
+
+
+def _flat_counts(stats: dict) -> dict[str, int]:
+    served = stats["provider"]
+    return {
+        "cudnn_forward": stats["cudnn_forward"],
+        "cudnn_backward": stats["cudnn_backward"],
+        "fallback_forward": sum(stats["fallback_forward"].values()),
+        "fallback_backward": sum(stats["fallback_backward"].values()),
+        "provider_served_forward": served["sdpa_forward"] + served["varlen_forward"],
+        "provider_served_backward": served["sdpa_backward"] + served["varlen_backward"],
+        "provider_torch_forward": sum(served["torch_forward"].values()),
+        "provider_torch_backward": sum(served["torch_backward"].values()),
+    }
