@@ -196,12 +196,6 @@ def clear_cache() -> None:
         _by_call.clear()
 
 
-def cache_info() -> dict:
-    """Number of cached graphs and of cached rejections (for tests and benchmarks)."""
-    rejected = sum(type(e) is GraphRejected for e in _cache.values())
-    return {"graphs": len(_cache) - rejected, "rejected": rejected}
-
-
 # ----------------------------------------------------------------------------------------------
 # Building
 # ----------------------------------------------------------------------------------------------
