@@ -1,0 +1,133 @@
+"""Models for the recipes: a random-initialized Hugging Face model built from a config, or a local checkpoint.
+
+``import cudnn_attention`` (done here) registers ``attn_implementation="cudnn"`` with transformers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import torch
+
+import cudnn_attention  # noqa: F401  (registers attn_implementation="cudnn" when transformers loads)
+
+from .config import ModelShape
+
+__all__ = ["UnsupportedImplementation", "build_model", "hf_config", "packing_safe_masks"]
+
+
+class UnsupportedImplementation(ValueError):
+    """The model does not support the requested ``attn_implementation`` (transformers refused it)."""
+
+
+def hf_config(*, family: str, shape: ModelShape, vocab_size: int, max_positions: int, pad_token_id: int | None = None,
+              eos_token_id: int | None = None, bos_token_id: int | None = None):  # fmt: skip
+    """The transformers config of ``family`` with ``shape`` (no dropout: cuDNN serves dropout-free attention)."""
+    import transformers as tf
+
+    common = dict(
+        vocab_size=vocab_size, hidden_size=shape.hidden, intermediate_size=shape.intermediate, num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads, head_dim=shape.head_dim, max_position_embeddings=max_positions,
+        pad_token_id=pad_token_id, eos_token_id=eos_token_id, bos_token_id=bos_token_id, tie_word_embeddings=False, use_cache=False,
+    )  # fmt: skip
+    if family == "mistral":
+        return tf.MistralConfig(**common, sliding_window=shape.window)
+    if family == "llama":
+        return tf.LlamaConfig(**common)
+    if family == "gpt_oss":
+        # Even-numbered layers slide, as in the released gpt-oss; every layer has learnable sinks.
+        layer_types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(shape.layers)]
+        # gpt-oss's YaRN RoPE is defined for 131072 positions (32 x 4096); any other value only triggers a warning.
+        common["max_position_embeddings"] = max(max_positions, 131072)
+        return tf.GptOssConfig(**common, sliding_window=shape.window, layer_types=layer_types, num_local_experts=shape.experts,
+                               num_experts_per_tok=shape.experts_per_token, output_router_logits=False)  # fmt: skip
+    raise ValueError(f"unknown family {family!r}")
+
+
+def build_model(
+    *,
+    attn_implementation: str,
+    family: str | None = None,
+    shape: ModelShape | None = None,
+    vocab_size: int | None = None,
+    max_positions: int = 4096,
+    checkpoint: str | None = None,
+    tokenizer=None,
+    device=None,
+    dtype=None,
+    seed: int = 0,
+):
+    """A causal LM ready to train: from the local ``checkpoint`` directory, else random-initialized from ``family``/``shape``.
+
+    ``device``/``dtype`` default to torch's current ones (Lightning's init context sets them).
+    Raises ``ValueError`` when the model does not support ``attn_implementation`` (gpt-oss and "sdpa").
+    """
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)  # the same weights for every implementation of a comparison
+    if checkpoint is not None:
+        if not Path(checkpoint).is_dir():
+            # Local directories only: never a hub name (recipes run offline; no surprise downloads).
+            raise FileNotFoundError(f"checkpoint directory {checkpoint!r} does not exist (recipes load local directories only)")
+        with _refusal_as_unsupported():
+            model = AutoModelForCausalLM.from_pretrained(
+                checkpoint, attn_implementation=attn_implementation, dtype=dtype, local_files_only=True
+            )
+        if device is not None:
+            model = model.to(device)
+        config = model.config
+    else:
+        config = hf_config(family=family, shape=shape, vocab_size=vocab_size, max_positions=max_positions,
+                           pad_token_id=getattr(tokenizer, "pad_token_id", None), eos_token_id=getattr(tokenizer, "eos_token_id", None),
+                           bos_token_id=getattr(tokenizer, "bos_token_id", None))  # fmt: skip
+        with torch.device(device) if device is not None else contextlib.nullcontext(), _refusal_as_unsupported():
+            model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=dtype)
+    config.use_cache = False  # training: a cache would also leak across packed documents on eager/sdpa
+    if getattr(config, "model_type", None) == "gpt_oss":
+        packing_safe_masks(model)
+    return model
+
+
+@contextlib.contextmanager
+def _refusal_as_unsupported():
+    # transformers raises a plain ValueError ("... does not support an attention implementation ...");
+    # a distinct type lets a comparison skip that implementation without hiding other errors.
+    try:
+        yield
+    except ValueError as error:
+        if "does not support" in str(error) and "attention" in str(error):
+            raise UnsupportedImplementation(str(error).split(". ")[0]) from error
+        raise
+
+
+def packing_safe_masks(model) -> None:
+    """Make eager/sdpa/flex_attention keep packed gpt-oss documents apart.
+
+    transformers' gpt-oss builds its masks without ``position_ids`` (unlike Mistral or Llama), so
+    the mask-level packing detection never runs and those implementations attend across document
+    boundaries of a ``DataCollatorWithFlattening`` batch. This pre-hook builds the masks the way
+    Mistral does, with ``position_ids``, when no mask is given. "cudnn" and flash-style
+    implementations read ``cu_seq_lens_*`` themselves and are left alone.
+    """
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+    inner = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+
+    def build_masks(module, args, kwargs):
+        implementation = module.config._attn_implementation
+        position_ids = kwargs.get("position_ids")
+        if implementation not in ("eager", "sdpa", "flex_attention") or kwargs.get("attention_mask") is not None or position_ids is None:
+            return None
+        input_ids = kwargs.get("input_ids", args[0] if args else None)
+        reference = kwargs.get("inputs_embeds")
+        if reference is None:  # the mask builders read only shape, dtype and device
+            reference = torch.empty(*input_ids.shape, 0, dtype=module.embed_tokens.weight.dtype, device=input_ids.device)
+        options = dict(config=module.config, inputs_embeds=reference, attention_mask=None, past_key_values=None, position_ids=position_ids)
+        kwargs["attention_mask"] = {
+            "full_attention": create_causal_mask(**options),
+            "sliding_attention": create_sliding_window_causal_mask(**options),
+        }
+        return args, kwargs
+
+    inner.register_forward_pre_hook(build_masks, with_kwargs=True)

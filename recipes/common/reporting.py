@@ -1,0 +1,206 @@
+"""What a run measured (:class:`RunResult`), its summary, and the files a recipe leaves: metrics JSON and a loss-curve PNG.
+
+Throughput excludes the first steps (graph builds, compilation, allocator warm-up); MFU uses the
+GPU's dense bf16 peak from :mod:`cudnn_attention.throughput` (Lightning's table lacks the H200).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+__all__ = ["RunResult", "comparison", "describe_comparison", "finish", "plot_losses", "served_by", "warmup_steps", "write_metrics"]
+
+_GIB = 2**30
+
+
+def warmup_steps(steps: int) -> int:
+    """Steps left out of throughput: 1 of a short run, a tenth of a longer one, at most 5."""
+    return 0 if steps < 2 else max(1, min(5, steps // 10))
+
+
+@dataclass(kw_only=True)
+class RunResult:
+    """Per-step measurements of one training run; token and FLOP counts are summed over ranks."""
+
+    attn_implementation: str
+    losses: list[float] = field(default_factory=list)  # mean over ranks
+    step_seconds: list[float] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)  # real tokens
+    padded_tokens: list[int] = field(default_factory=list)  # what one row per document would have computed
+    flops: list[float] = field(default_factory=list)
+    attention_flops: list[float] = field(default_factory=list)
+    world_size: int = 1
+    distributed: str = "none"  # how the ranks split the work (DDP, FSDP, ...)
+    device_name: str = "cpu"
+    peak_flops: float | None = None  # dense bf16 peak per device, when known
+    peak_memory_bytes: int | None = None  # torch.cuda.max_memory_allocated of rank 0
+    stats: dict = field(default_factory=dict)  # cudnn_attention.stats() of rank 0 for this run
+    skipped: str | None = None  # why this implementation did not run
+
+    def summary(self) -> dict:
+        """Tokens/s, MFU, padding avoided, attention share, final loss, peak memory, which path served."""
+        if self.skipped:
+            return {"attn_implementation": self.attn_implementation, "skipped": self.skipped}
+        skip = warmup_steps(len(self.step_seconds))
+        seconds = sum(self.step_seconds[skip:])
+        tokens, flops = sum(self.tokens[skip:]), sum(self.flops[skip:])
+        tokens_per_s = tokens / seconds if seconds > 0 else None
+        mfu = flops / seconds / (self.peak_flops * self.world_size) if seconds > 0 and self.peak_flops else None
+        return {
+            "attn_implementation": self.attn_implementation,
+            "steps": len(self.losses),
+            "warmup_steps_excluded": skip,
+            "tokens_per_s": tokens_per_s,
+            "tokens_per_s_per_device": tokens_per_s / self.world_size if tokens_per_s else None,
+            "mfu": mfu,
+            "real_tokens": sum(self.tokens),
+            "padded_equivalent_tokens": sum(self.padded_tokens),
+            "padding_avoided": 1 - sum(self.tokens) / sum(self.padded_tokens) if self.padded_tokens else None,
+            "attention_flops_share": sum(self.attention_flops) / sum(self.flops) if self.flops and sum(self.flops) else None,
+            "first_loss": self.losses[0] if self.losses else None,
+            "final_loss": self.losses[-1] if self.losses else None,
+            "peak_memory_gib": self.peak_memory_bytes / _GIB if self.peak_memory_bytes is not None else None,
+            "served_by": served_by(self.stats, implementation=self.attn_implementation),
+        }
+
+    def to_json(self) -> dict:
+        return {**self.summary(), "run": asdict(self)}
+
+    def describe(self) -> list[str]:
+        """Human-readable lines for the end of a run."""
+        s = self.summary()
+        if self.skipped:
+            return [f"[{self.attn_implementation}] skipped: {self.skipped}"]
+        mfu = f"{100 * s['mfu']:.1f}%" if s["mfu"] is not None else "n/a (no dense bf16 peak known for this device)"
+        memory = f"{s['peak_memory_gib']:.2f} GiB" if s["peak_memory_gib"] is not None else "n/a (cpu)"
+        rate = f"{s['tokens_per_s']:,.0f}" if s["tokens_per_s"] else "n/a"
+        return [
+            f"[{self.attn_implementation}] loss {s['first_loss']:.4f} -> {s['final_loss']:.4f} over {s['steps']} steps",
+            (
+                f"[{self.attn_implementation}] tokens/s {rate} ({self.world_size} device(s), {self.distributed}, "
+                f"first {s['warmup_steps_excluded']} step(s) excluded), MFU {mfu}"
+            ),
+            (
+                f"[{self.attn_implementation}] packed {s['real_tokens']:,} real tokens; one row per document would compute "
+                f"{s['padded_equivalent_tokens']:,} ({100 * (s['padding_avoided'] or 0):.0f}% padding avoided); attention is "
+                f"{100 * (s['attention_flops_share'] or 0):.0f}% of the model FLOPs"
+            ),
+            f"[{self.attn_implementation}] peak memory {memory}; attention served by: {s['served_by']}",
+        ]
+
+
+def served_by(stats: dict, *, implementation: str) -> str:
+    """Which attention path served the run, from ``cudnn_attention.stats()``."""
+    cudnn = stats.get("cudnn_forward", 0), stats.get("cudnn_backward", 0)
+    fallback = stats.get("fallback_forward", {})
+    parts = []
+    if any(cudnn):
+        parts.append(f"cuDNN ({cudnn[0]} forward, {cudnn[1]} backward calls)")
+    if fallback:
+        reasons = ", ".join(f"{reason}: {count}" for reason, count in fallback.items())
+        parts.append(f"the exact PyTorch fallback, not cuDNN ({reasons} forward calls)")
+    return " and ".join(parts) or f"transformers' {implementation!r} (no cudnn_attention call)"
+
+
+def write_metrics(path: str | Path, payload: dict) -> Path:
+    """Write ``payload`` as indented JSON (creating the folder)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
+    return path
+
+
+def plot_losses(path: str | Path, results: dict[str, RunResult], *, title: str) -> Path:
+    """Loss per step of each run; with two runs, a second panel shows their difference."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display on servers or CI
+    import matplotlib.pyplot as plt
+
+    ran = {name: result for name, result in results.items() if result.losses}
+    panels = 2 if len(ran) == 2 else 1
+    figure, axes = plt.subplots(panels, 1, figsize=(8, 3.2 * panels + 1), squeeze=False, sharex=True)
+    for index, (name, result) in enumerate(ran.items()):
+        # The second curve dashed: curves that agree would otherwise hide each other.
+        axes[0][0].plot(range(1, len(result.losses) + 1), result.losses, label=name, linewidth=1.2, linestyle="-" if index == 0 else "--")
+    axes[0][0].set_ylabel("training loss")
+    axes[0][0].legend()
+    axes[0][0].set_title(title)
+    if panels == 2:
+        (a, first), (b, second) = ran.items()
+        n = min(len(first.losses), len(second.losses))
+        difference = [x - y for x, y in zip(first.losses[:n], second.losses[:n], strict=True)]
+        axes[1][0].plot(range(1, n + 1), difference, color="tab:red", linewidth=1.0)
+        axes[1][0].axhline(0.0, color="gray", linewidth=0.6)
+        axes[1][0].set_ylabel(f"{a} - {b}")
+    axes[-1][0].set_xlabel("optimizer step")
+    figure.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path
+
+
+def comparison(results: dict[str, RunResult], *, primary: str, reference: str) -> dict:
+    """Loss-curve difference (max abs and relative difference of per-step losses), speedup (tokens/s ratio) and
+    peak memory of ``primary`` against ``reference``."""
+    first, second = results[primary], results.get(reference)
+    if second is None or second.skipped:
+        return {"reference": reference, "skipped": second.skipped if second else "not run"}
+    n = min(len(first.losses), len(second.losses))
+    diffs = [abs(a - b) for a, b in zip(first.losses[:n], second.losses[:n], strict=True)]
+    scale = max(abs(x) for x in second.losses[:n])
+    a, b = first.summary(), second.summary()
+    return {
+        "reference": reference,
+        "steps": n,
+        "loss_max_abs_diff": max(diffs),
+        "loss_max_rel_diff": max(diffs) / scale if scale else 0.0,
+        "speedup_tokens_per_s": a["tokens_per_s"] / b["tokens_per_s"] if a["tokens_per_s"] and b["tokens_per_s"] else None,
+        "tokens_per_s": {primary: a["tokens_per_s"], reference: b["tokens_per_s"]},
+        "peak_memory_gib": {primary: a["peak_memory_gib"], reference: b["peak_memory_gib"]},
+    }
+
+
+def describe_comparison(result: dict, *, primary: str) -> str:
+    """One line for the end of a compare run."""
+    reference = result["reference"]
+    if "skipped" in result:
+        return f"compare {primary} vs {reference}: skipped ({result['skipped']})"
+    speedup = f"{result['speedup_tokens_per_s']:.2f}x" if result["speedup_tokens_per_s"] else "n/a"
+    memory = ", ".join(f"{name} {gib:.2f} GiB" for name, gib in result["peak_memory_gib"].items() if gib is not None) or "n/a (cpu)"
+    return (f"compare {primary} vs {reference} over {result['steps']} steps: loss max |diff| {result['loss_max_abs_diff']:.3g} "
+            f"(relative {result['loss_max_rel_diff']:.3g}), speedup {speedup} tokens/s, peak memory {memory}")  # fmt: skip
+
+
+def finish(*, recipe: str, results: dict[str, RunResult], primary: str, reference: str | None, config: dict, output_dir: str | Path,
+           title: str, write: bool = True) -> dict:  # fmt: skip
+    """The metrics of a recipe run; with ``write`` (rank zero only) also print the summary and write ``metrics.json`` and ``loss.png``."""
+    first = results[primary]
+    payload = {
+        "recipe": recipe,
+        "config": config,
+        "device": first.device_name,
+        "world_size": first.world_size,
+        "dense_bf16_peak_flops": first.peak_flops,
+        "runs": {name: result.to_json() for name, result in results.items()},
+    }
+    if reference:
+        payload["comparison"] = comparison(results, primary=primary, reference=reference)
+    if write:
+        for result in results.values():
+            print("\n".join(result.describe()))
+        print(f"cudnn_attention.stats() after the {primary} run: {first.stats}")
+        if reference:
+            print(describe_comparison(payload["comparison"], primary=primary))
+        metrics = write_metrics(Path(output_dir) / "metrics.json", payload)
+        try:
+            plot = plot_losses(Path(output_dir) / "loss.png", results, title=title)
+        except ImportError:  # the run's figures are in the JSON already; do not fail a finished run over a plot
+            print(f"wrote {metrics}; no loss.png: matplotlib is not installed (pip install -e \".[recipes]\")")
+        else:
+            print(f"wrote {metrics} and {plot}")
+    return payload

@@ -1,0 +1,158 @@
+"""The recipes on CPU: each runs end to end on the tiny preset (the visible fallback serves attention), packing keeps
+documents apart, compare mode against eager agrees to fp32 rounding, and local models and data plug in."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("matplotlib")
+
+RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+sys.path.insert(0, str(RECIPES))  # what `python recipes/<script>.py` does for the scripts
+
+from common import ByteTokenizer, PackedCollator, build_model, causal_pairs, cut_documents, model_shape, pack_documents  # noqa: E402
+from common.data import STATS_KEY  # noqa: E402
+
+STEPS = 3
+TINY_TOKENS = 1024  # the tiny preset's budget
+
+
+def _run(recipe: str, tmp_path, *extra: str) -> dict:
+    if recipe == "train_lightning":
+        import train_lightning
+
+        args = [f"--trainer.max_steps={STEPS}", f"--trainer.default_root_dir={tmp_path}", "--trainer.enable_progress_bar=false", *extra]
+        return train_lightning.main(args)
+    module = __import__(recipe)
+    return module.main(["--steps", str(STEPS), "--output_dir", str(tmp_path), *extra])
+
+
+def _check_outputs(payload: dict, tmp_path, implementation: str = "cudnn") -> dict:
+    assert (tmp_path / "loss.png").stat().st_size > 0
+    assert json.loads((tmp_path / "metrics.json").read_text())["runs"].keys() == payload["runs"].keys()
+    run = payload["runs"][implementation]
+    assert run["steps"] == STEPS and len(run["run"]["losses"]) == STEPS
+    assert all(torch.isfinite(torch.tensor(run["run"]["losses"])))
+    assert run["real_tokens"] == STEPS * TINY_TOKENS  # every step packed to exactly the budget
+    assert run["padded_equivalent_tokens"] > run["real_tokens"] and 0 < run["padding_avoided"] < 1
+    assert run["tokens_per_s"] > 0 and run["mfu"] is None  # no dense bf16 peak for a CPU
+    return run
+
+
+@pytest.mark.parametrize("recipe", ["train_sliding_window", "train_sinks", "train_lightning"])
+def test_recipe_runs_three_steps_on_the_visible_fallback(recipe, tmp_path):
+    payload = _run(recipe, tmp_path)
+    run = _check_outputs(payload, tmp_path)
+    stats = run["run"]["stats"]
+    layers = model_shape(family="gpt_oss" if recipe == "train_sinks" else "mistral", size="tiny").layers
+    assert stats["fallback_forward"] == {"cpu tensors": STEPS * layers}, stats
+    assert stats["fallback_backward"] == {"cpu tensors": STEPS * layers}, stats
+    assert "fallback" in run["served_by"] and "cpu tensors" in run["served_by"]
+    assert payload["config"]["size"] == "tiny"
+
+
+@pytest.mark.parametrize("recipe", ["train_sliding_window", "train_sinks"])
+def test_compare_eager_on_cpu_matches_the_exact_fallback(recipe, tmp_path):
+    payload = _run(recipe, tmp_path, "--compare", "eager")
+    _check_outputs(payload, tmp_path, "eager")
+    comparison = payload["comparison"]
+    assert comparison["reference"] == "eager" and comparison["steps"] == STEPS
+    # Same seed, weights and batches; the fallback computes exactly what eager does, to fp32 rounding. For gpt-oss
+    # this also shows eager keeps packed documents apart (transformers' gpt-oss masks need the recipe's hook).
+    assert comparison["loss_max_rel_diff"] < 1e-4, comparison
+    assert comparison["speedup_tokens_per_s"] > 0
+    assert set(comparison["peak_memory_gib"]) == {"cudnn", "eager"}
+
+
+def test_compare_skips_what_cannot_run_here_with_the_reason(tmp_path):
+    payload = _run("train_sinks", tmp_path, "--compare", "sdpa")
+    assert "does not support" in payload["comparison"]["skipped"]  # transformers has no sdpa for gpt-oss
+    from common import skip_reason
+
+    assert "no backward on CPU" in skip_reason("flex_attention", device="cpu")
+    assert skip_reason("flex_attention", device="cuda") is None
+
+
+def _collate(lengths):
+    documents = [list(range(10 + i, 10 + i + n)) for i, n in enumerate(lengths)]
+    return documents, PackedCollator()([{"documents": documents}])
+
+
+def test_packed_collation_keeps_documents_apart():
+    lengths = [5, 1, 7, 3]
+    documents, batch = _collate(lengths)
+    starts = [0, 5, 6, 13]
+    assert batch["input_ids"].tolist() == [[t for doc in documents for t in doc]]
+    labels, positions = batch["labels"][0].tolist(), batch["position_ids"][0].tolist()
+    assert [labels[s] for s in starts] == [-100] * len(lengths)  # no document learns from the one before it
+    assert sum(label == -100 for label in labels) == len(lengths)
+    assert positions == [i for n in lengths for i in range(n)]  # positions restart at 0 at each document start
+    assert batch["cu_seq_lens_q"].tolist() == batch["cu_seq_lens_k"].tolist() == [0, 5, 6, 13, 16]
+    assert batch["cu_seq_lens_q"].dtype == torch.int32 and batch["max_length_q"] == batch["max_length_k"] == 7
+    assert "attention_mask" not in batch  # no padding anywhere
+    assert batch[STATS_KEY] == {"tokens": 16, "padded_tokens": 4 * 7, "doc_lengths": lengths}
+
+
+def test_packs_fill_the_budget_exactly_and_lose_no_token():
+    documents = cut_documents([list(range(5000))], running=True, min_tokens=16, max_tokens=300, seed=0)
+    assert all(16 <= len(doc) <= 300 for doc in documents[:-1])
+    assert len({len(doc) for doc in documents}) > 10  # varying lengths
+    packs = pack_documents(documents, tokens_per_step=512, seed=0)
+    assert all(sum(map(len, pack)) == 512 for pack in packs)
+    packed = sorted(t for pack in packs for doc in pack for t in doc)
+    assert len(packs) == 5000 // 512 and set(packed) <= set(range(5000)) and len(packed) == len(set(packed))
+    whole = cut_documents([list(range(50)), list(range(7))], running=False, min_tokens=1, max_tokens=20, seed=0)
+    assert [len(doc) for doc in whole] == [20, 20, 10, 7]  # records kept whole unless longer than the maximum
+
+
+def test_gpt_oss_eager_keeps_packed_documents_apart():
+    # transformers' gpt-oss builds its masks without position_ids; build_model's hook restores packing safety.
+    lengths = [9, 4, 12]
+    documents, batch = _collate(lengths)
+    shape = model_shape(family="gpt_oss", size="tiny")
+    model = build_model(attn_implementation="eager", family="gpt_oss", shape=shape, vocab_size=ByteTokenizer.vocab_size)
+    batch.pop(STATS_KEY)
+    with torch.no_grad():
+        packed = model(**batch).logits[0]
+        alone = torch.cat([model(torch.tensor([doc])).logits[0] for doc in documents])
+    assert (packed - alone).abs().max() <= 1e-4 * alone.abs().max()
+
+
+def test_causal_pairs():
+    assert causal_pairs(4, window=None) == 10 and causal_pairs(4, window=8) == 10
+    assert causal_pairs(5, window=2) == 3 + 3 * 2  # rows see 1, 2, 2, 2, 2 keys
+
+
+def test_local_checkpoint_tokenizer_and_jsonl_dataset(tmp_path):
+    """Bring your own: a local checkpoint directory with its tokenizer, and a .jsonl file (all made here, no download)."""
+    import pydoc_data.topics
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    texts = [pydoc_data.topics.topics[name] for name in sorted(pydoc_data.topics.topics)[:20]]
+    inner = Tokenizer(models.BPE(unk_token="<unk>"))
+    inner.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    inner.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<eos>"], show_progress=False))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=inner, unk_token="<unk>", eos_token="<eos>")
+    checkpoint = tmp_path / "checkpoint"
+    tokenizer.save_pretrained(checkpoint)
+    shape = model_shape(family="llama", size="tiny")
+    model = build_model(attn_implementation="eager", family="llama", shape=shape, vocab_size=len(tokenizer))
+    model.save_pretrained(checkpoint)
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"body": text}) + "\n" for text in texts))
+
+    import train_sliding_window
+
+    out = tmp_path / "run"
+    payload = train_sliding_window.main(["--checkpoint", str(checkpoint), "--dataset", str(data), "--text_field", "body", "--steps", "2",
+                                         "--tokens_per_step", "256", "--output_dir", str(out)])  # fmt: skip
+    run = payload["runs"]["cudnn"]
+    assert run["steps"] == 2 and run["real_tokens"] == 512 and (out / "loss.png").exists()
+    assert run["run"]["stats"]["fallback_forward"] == {"cpu tensors": 2 * 2}
+    with pytest.raises(FileNotFoundError, match="local directories only"):
+        train_sliding_window.main(["--checkpoint", str(tmp_path / "missing"), "--output_dir", str(out)])
