@@ -79,6 +79,14 @@ def _resolve(q, k, v, *, cu_seqlens_q, cu_seqlens_kv, max_q, max_kv, is_causal, 
 # ----------------------------------------------------------------------------------------------
 
 
+def _dense_resolve(query, key, value, *, is_causal, scale, needs_grad):
+    """:func:`_resolve` for a dense SDPA call: F.scaled_dot_product_attention's causal mask is top-left aligned."""
+    return _resolve(
+        query, key, value, cu_seqlens_q=None, cu_seqlens_kv=None, max_q=query.size(-2), max_kv=key.size(-2), is_causal=is_causal,
+        bottom_right=False, window_size=_NO_WINDOW, scale=scale, needs_grad=needs_grad,
+    )  # fmt: skip
+
+
 def sdpa_forward(query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0, is_causal=False, return_debug_mask=False, *, scale=None):
     """``aten::_scaled_dot_product_cudnn_attention`` on CUDA.
 
@@ -89,10 +97,7 @@ def sdpa_forward(query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0
     reason = _dense_gap(attn_bias, dropout_p, debug_mask=return_debug_mask)
     if reason is None:
         # F.scaled_dot_product_attention asks for the LSE exactly when a backward will follow.
-        q, k, v, scale_f, mask, reason = _resolve(
-            query, key, value, cu_seqlens_q=None, cu_seqlens_kv=None, max_q=S_q, max_kv=S_kv, is_causal=is_causal, bottom_right=False,
-            window_size=_NO_WINDOW, scale=scale, needs_grad=compute_log_sumexp,
-        )  # fmt: skip
+        q, k, v, scale_f, mask, reason = _dense_resolve(query, key, value, is_causal=is_causal, scale=scale, needs_grad=compute_log_sumexp)
     if reason is not None:
         count_provider("torch_forward", reason)
         return torch.ops.aten._cudnn_attention_forward(
@@ -122,10 +127,7 @@ def sdpa_backward(grad_out, query, key, value, out, logsumexp, philox_seed, phil
     S_q, S_kv = query.size(-2), key.size(-2)
     reason = _dense_gap(attn_bias, dropout_p, cum_seq=cum_seq_q)
     if reason is None:
-        q, k, v, scale_f, mask, reason = _resolve(
-            query, key, value, cu_seqlens_q=None, cu_seqlens_kv=None, max_q=S_q, max_kv=S_kv, is_causal=is_causal, bottom_right=False,
-            window_size=_NO_WINDOW, scale=scale, needs_grad=True,
-        )  # fmt: skip
+        q, k, v, scale_f, mask, reason = _dense_resolve(query, key, value, is_causal=is_causal, scale=scale, needs_grad=True)
     if reason is not None:
         count_provider("torch_backward", reason)
         return torch.ops.aten._cudnn_attention_backward(
