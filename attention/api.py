@@ -10,6 +10,7 @@ import torch
 
 from . import validation
 from .cudnn_ops import cudnn_forward, resolve_cudnn
+from .layouts import token_major
 from .masking import make_mask_spec
 from .policy import fallback_output, note_fallback
 from .reference import dense_reference, varlen_reference
@@ -142,6 +143,8 @@ def varlen_attention(
         validation.validate_cu_seqlens(cu_seqlens_kv, "cu_seqlens_kv", k.shape[0], max_seqlen_kv)
     needs_grad = _needs_grad(q, k, v, sinks)
     need_lse = return_lse or needs_grad
+    if needs_grad:
+        q, k, v = (token_major(t) for t in (q, k, v))  # see token_major: cuDNN's packed dQ needs it
 
     graph, reason = (None, "empty inputs") if _is_empty(q, k) else resolve_cudnn(
         q, k, v, has_sinks=sinks is not None, padded=False, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q,

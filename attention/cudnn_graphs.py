@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections import OrderedDict
 from typing import NamedTuple
 
 import torch
 
 from .masking import MaskSpec
+from .policy import note_graph_build
 
 __all__ = ["GraphRejected", "GraphSpec", "clear_cache", "execute", "frontend_unavailable_reason", "get_graph", "graph_for_call"]
 
@@ -160,11 +162,13 @@ def get_graph(spec: GraphSpec) -> CompiledGraph:
         with _build_lock:
             entry = _cache.get(spec)
             if entry is None:
+                start = time.perf_counter()
                 try:
                     entry = _build(spec)
                 except Exception as exc:  # noqa: BLE001 - every build failure is a verdict to cache
                     message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
                     entry = GraphRejected(f"cuDNN rejected the {spec.direction} graph: {message[:200]}")
+                note_graph_build(spec.direction, time.perf_counter() - start)
                 _cache[spec] = entry
                 while len(_cache) > _CACHE_CAPACITY:
                     _cache.popitem(last=False)

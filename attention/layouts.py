@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["allocate_backward_outputs", "allocate_forward_outputs", "like_layout_strides", "shape_bucket", "thd_descriptor_strides"]
+__all__ = ["allocate_backward_outputs", "allocate_forward_outputs", "like_layout_strides", "shape_bucket", "thd_descriptor_strides", "token_major"]
 
 
 def like_layout_strides(shape: tuple[int, ...], like: torch.Tensor) -> tuple[int, ...]:
@@ -37,6 +37,17 @@ def thd_descriptor_strides(t_THD: torch.Tensor, s_max: int) -> tuple[int, int, i
     """
     s_t, s_h, s_d = t_THD.stride()
     return (s_max * s_t, s_h, s_t, s_d)
+
+
+def token_major(t_THD: torch.Tensor) -> torch.Tensor:
+    """``t_THD`` itself when tokens are its outermost dimension in memory, else a token-major copy.
+
+    cuDNN 9.19's packed backward (SM90) returns a wrong dQ for a head-major Q, a (T, H, D) view of
+    (H, T, D) memory, which is what transformers' gpt-oss hands over after its RoPE (``torch.cat``);
+    a head-major dQ beside it does not help. Token-major inputs are the layout its tests verify.
+    Under autograd the copy is differentiable: the gradient goes back in the caller's layout.
+    """
+    return t_THD if t_THD.stride(0) >= t_THD.stride(1) else t_THD.contiguous()
 
 
 def shape_bucket(n: int, minimum: int) -> int:

@@ -41,6 +41,7 @@ class StrictModeError(RuntimeError):
 _lock = threading.Lock()
 # ("cudnn", direction), ("fallback", direction, reason), ("provider", path) or ("provider", path, reason)
 _served: Counter = Counter()
+_build_seconds: Counter = Counter()  # direction -> seconds spent building cuDNN graphs
 _warned: set[str] = set()
 _strict_global: bool | None = None
 _strict_scope: contextvars.ContextVar[bool | None] = contextvars.ContextVar("cudnn_attention_strict", default=None)
@@ -49,6 +50,14 @@ _strict_scope: contextvars.ContextVar[bool | None] = contextvars.ContextVar("cud
 def count_cudnn(direction: str) -> None:
     # Counter increments are atomic enough under the GIL for a statistic; no lock on the hot path.
     _served["cudnn", direction] += 1
+
+
+def note_graph_build(direction: str, seconds: float) -> None:
+    """Record one cuDNN graph build (or rejection) and its wall time: builds cost tens to hundreds of
+    milliseconds each, so a run that keeps meeting new shapes pays for them step after step."""
+    with _lock:
+        _served["graph_builds", direction] += 1
+        _build_seconds[direction] += seconds
 
 
 def count_provider(path: str, reason: str | None = None) -> None:
@@ -81,15 +90,20 @@ def stats() -> dict:
     "fallback_backward": {reason: n}, "provider": {...}}``. ``"provider"`` counts the calls that
     reached :func:`cudnn_attention.install`'s overrides: ``"sdpa_forward"``, ``"sdpa_backward"``,
     ``"varlen_forward"``, ``"varlen_backward"`` (served here, so also counted in ``cudnn_*``) and
-    ``"torch_forward"``/``"torch_backward"`` ``{reason: n}`` (handed to torch's own kernel). Calls
-    replayed from a captured CUDA graph run no Python and are not counted.
+    ``"torch_forward"``/``"torch_backward"`` ``{reason: n}`` (handed to torch's own kernel).
+    ``"graph_builds"`` is ``{"forward": n, "backward": n, "seconds": s}``: cuDNN graphs built (or
+    rejected) and the wall time spent on it. Calls replayed from a captured CUDA graph run no Python
+    and are not counted.
     """
     with _lock:
-        snapshot = dict(_served)
-    result: dict = {"cudnn_forward": 0, "cudnn_backward": 0, "fallback_forward": {}, "fallback_backward": {}, "provider": _provider_stats()}
+        snapshot, build_seconds = dict(_served), dict(_build_seconds)
+    result: dict = {"cudnn_forward": 0, "cudnn_backward": 0, "fallback_forward": {}, "fallback_backward": {}, "provider": _provider_stats(),
+                    "graph_builds": {"forward": 0, "backward": 0, "seconds": sum(build_seconds.values(), 0.0)}}  # fmt: skip
     for key, count in snapshot.items():
         if key[0] == "cudnn":
             result[f"cudnn_{key[1]}"] += count
+        elif key[0] == "graph_builds":
+            result["graph_builds"][key[1]] = count
         elif key[0] == "provider":
             if len(key) == 2:
                 result["provider"][key[1]] += count
@@ -104,6 +118,7 @@ def reset_stats() -> None:
     """Zero every counter and forget which fallback reasons already warned."""
     with _lock:
         _served.clear()
+        _build_seconds.clear()
         _warned.clear()
 
 

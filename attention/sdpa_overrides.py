@@ -22,6 +22,7 @@ import torch
 
 from . import validation
 from .cudnn_ops import resolve_cudnn
+from .layouts import token_major
 from .masking import make_mask_spec
 from .policy import count_provider
 
@@ -209,8 +210,10 @@ def _varlen_resolve(call):
     # query and key of each document (bottom right); identical to top left when lengths match.
     # Always resolved as a training call: the op cannot see whether a backward will follow, and
     # one verdict for both directions keeps the LSE handed between them consistent.
+    # Token-major in both directions (the forward's graph and the backward's must see one layout): see token_major.
     return _resolve(
-        call.query, call.key, call.value, cu_seqlens_q=call.cu_seq_q, cu_seqlens_kv=call.cu_seq_k, max_q=call.max_q, max_kv=call.max_k,
+        token_major(call.query), token_major(call.key), token_major(call.value), cu_seqlens_q=call.cu_seq_q, cu_seqlens_kv=call.cu_seq_k,
+        max_q=call.max_q, max_kv=call.max_k,
         is_causal=call.is_causal, bottom_right=True, window_size=window, scale=call.scale, needs_grad=True,
     )  # fmt: skip
 

@@ -1,7 +1,7 @@
 """Recipe 3: packed fine-tuning with Lightning: a LightningModule around a Hugging Face model, ``CudnnAttention``, LightningCLI.
 
     python recipes/train_lightning.py                                     # mistral; a GPU: small/bf16-true, a CPU: tiny (fallback)
-    python recipes/train_lightning.py --model.family=gpt_oss --compare=eager
+    python recipes/train_lightning.py --model.family=gpt_oss --compare=[eager,flex_attention]
     python recipes/train_lightning.py --trainer.devices=2 --trainer.strategy=ddp     # or --trainer.strategy=fsdp
     python recipes/train_lightning.py --help                               # every --model.* and --trainer.* flag
 
@@ -177,8 +177,9 @@ class RecipeCLI(LightningCLI):
     """LightningCLI with the recipe's defaults (one device, bf16-true on a GPU, no logger or checkpoints) and ``--compare``."""
 
     def add_arguments_to_parser(self, parser) -> None:
-        implementations = Literal["eager", "sdpa", "flex_attention"] | None
-        parser.add_argument("--compare", type=implementations, default=None, help="also run the same steps with this implementation")
+        implementation = Literal["eager", "sdpa", "flex_attention"]
+        parser.add_argument("--compare", type=list[implementation] | implementation, default=[],
+                            help="also run the same steps with these implementations: --compare=eager, --compare=[eager,sdpa]")
 
     def before_instantiate_classes(self) -> None:
         config = self.config
@@ -215,7 +216,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     first = _cli(argv)
-    primary, reference = first.model.hparams.attn_implementation, first.config.compare
+    compare = first.config.compare
+    primary, references = first.model.hparams.attn_implementation, [compare] if isinstance(compare, str) else list(compare)
     clis = {primary: first}
 
     def run_once(implementation: str) -> RunResult:
@@ -231,12 +233,12 @@ def main(argv: list[str] | None = None) -> dict:
     device = "cuda" if first.trainer.strategy.root_device.type == "cuda" else "cpu"
     if primary == "cudnn" and device == "cpu" and first.trainer.is_global_zero:
         print("no GPU: cudnn_attention serves every attention call on its exact PyTorch fallback (counted below); cuDNN needs a GPU")
-    results = run_with_compare(run_once, primary=primary, reference=reference, device=device)
+    results = run_with_compare(run_once, primary=primary, references=references, device=device)
     hp = first.model.hparams
     config = {**dict(hp), "size": hp.size, "steps": first.trainer.max_steps, "precision": str(first.trainer.precision),
-              "tokens_per_step": first.model.tokens_per_step, "compare": reference}  # fmt: skip
+              "tokens_per_step": first.model.tokens_per_step, "compare": references}  # fmt: skip
     title = f"{RECIPE}: {hp.checkpoint or f'{hp.family} {hp.size}'}"
-    return finish(recipe=RECIPE, results=results, primary=primary, reference=reference, config=config,
+    return finish(recipe=RECIPE, results=results, primary=primary, config=config,
                   output_dir=first.trainer.default_root_dir, title=title, write=first.trainer.is_global_zero)  # fmt: skip
 
 

@@ -3,7 +3,7 @@
 import torch
 
 import cudnn_attention  # noqa: F401 - registers the ops
-from cudnn_attention.layouts import allocate_forward_outputs, like_layout_strides, shape_bucket
+from cudnn_attention.layouts import allocate_forward_outputs, like_layout_strides, shape_bucket, token_major
 
 
 def _forward(q, k, v, *, packed=False, need_lse=True, cu=None, max_len=0):
@@ -68,3 +68,13 @@ def test_shape_bucket_is_monotone_and_bounded():
         assert bucket <= max(64, n) * 1.5 + 1, f"bucket {bucket} for {n} wastes more than half a bucket"
         previous = bucket
     assert len({shape_bucket(n, 64) for n in range(1, 32769)}) <= 21
+
+
+def test_token_major_copies_only_head_major_packed_tensors():
+    head_major = torch.randn(4, 10, 8).transpose(0, 1)  # (T, H, D) view of (H, T, D) memory: gpt-oss after RoPE
+    copied = token_major(head_major)
+    assert copied.is_contiguous() and torch.equal(copied, head_major)
+    fused = torch.randn(10, 3 * 4 * 8)[:, : 4 * 8].view(10, 4, 8)  # q sliced out of a fused qkv projection: token-major
+    assert token_major(fused) is fused
+    contiguous = torch.randn(10, 4, 8)
+    assert token_major(contiguous) is contiguous

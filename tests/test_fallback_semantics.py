@@ -79,6 +79,8 @@ VARLEN_CASES = {
     "sinks_gqa": dict(causal=True, sinks=True, h_kv=1),
     "bottom_right_decode": dict(causal=True, bottom_right=True, decode=True),
     "capacity_tail": dict(causal=True, tail=3),
+    # (T, H, D) views of (H, T, D) memory, as transformers' gpt-oss passes q and k: copied token-major, gradients mapped back.
+    "head_major_sinks_window": dict(causal=True, sinks=True, window_size=(2, 0), head_major=True),
 }
 
 
@@ -93,8 +95,10 @@ def test_varlen_fallback_matches_naive(name):
     cu_kv = torch.tensor([0] + torch.tensor(lengths_kv).cumsum(0).tolist(), dtype=torch.int32)
     T_q, T_kv = int(cu_q[-1]) + tail, int(cu_kv[-1]) + tail
     H, H_kv, D = 4, case.get("h_kv", 2), 8
-    q = torch.randn(T_q, H, D, requires_grad=True)
-    k = torch.randn(T_kv, H_kv, D, requires_grad=True)
+    if case.get("head_major"):
+        q, k = torch.randn(H, T_q, D).transpose(0, 1).requires_grad_(), torch.randn(H_kv, T_kv, D).transpose(0, 1).requires_grad_()
+    else:
+        q, k = torch.randn(T_q, H, D, requires_grad=True), torch.randn(T_kv, H_kv, D, requires_grad=True)
     v = torch.randn(T_kv, H_kv, D, requires_grad=True)
     sinks = torch.randn(H, requires_grad=True) if case.get("sinks") else None
     grad_out = torch.randn(T_q, H, D)

@@ -153,6 +153,15 @@ def test_packed_sinks_match_fp32_reference(name, options):
     _check_packed(options, *_packed_case(ODD_LENGTHS, group=8, sinks=True))
 
 
+@pytest.mark.parametrize("sinks", [False, True])
+def test_packed_head_major_inputs_get_right_gradients(sinks):
+    # transformers' gpt-oss applies RoPE with torch.cat, so q and k arrive head-major: (T, H, D) views of (H, T, D)
+    # memory. cuDNN's packed backward returned a wrong dQ for such a Q (relative error ~1 against fp32).
+    q, k, v, s, cu_q, cu_kv, mq, mk = _packed_case(ODD_LENGTHS, sinks=sinks)
+    q, k = (t.detach().transpose(0, 1).contiguous().transpose(0, 1).requires_grad_() for t in (q, k))
+    _check_packed(dict(causal=True, window_size=(40, 0)), q, k, v, s, cu_q, cu_kv, mq, mk)
+
+
 def test_packed_empty_documents_and_capacity_tail_are_zero():
     q, k, v, sinks, cu_q, cu_kv, mq, mk = _packed_case([50, 0, 31, 0], sinks=True, tail=7)
     _poison_allocator(q, k, v)

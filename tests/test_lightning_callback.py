@@ -141,6 +141,7 @@ def test_counts_are_logged_at_train_epoch_end(tmp_path):
     assert ours[0]["cudnn_attention/fallback_forward"] == LAYERS * STEPS
     assert ours[0]["cudnn_attention/fallback_backward"] == LAYERS * STEPS
     assert ours[0]["cudnn_attention/provider_served_forward"] == 0
+    assert ours[0]["cudnn_attention/graph_builds"] == 0  # the CPU fallback builds no cuDNN graph
 
 
 # ----------------------------------------------------------------------------------------------

@@ -71,3 +71,32 @@ def test_strict_global_and_env(monkeypatch):
     finally:
         cudnn_attention.set_strict(None)
     assert not cudnn_attention.is_strict()
+
+
+def test_graph_builds_and_rejections_are_counted_with_their_time(monkeypatch):
+    from cudnn_attention import cudnn_graphs
+
+    def fake_build(spec):
+        if spec.batch == 3:
+            raise RuntimeError("unsupported")
+        return object()
+
+    monkeypatch.setattr(cudnn_graphs, "_build", fake_build)
+    cudnn_graphs.clear_cache()
+    cudnn_attention.reset_stats()
+    base = dict(device_index=0, dtype=torch.bfloat16, heads_q=2, heads_kv=2, seq_q=64, seq_kv=64, dim_qk=64, dim_v=64,
+                q_strides=(1,) * 4, k_strides=(1,) * 4, v_strides=(1,) * 4, o_strides=(1,) * 4, grad_strides=(), scale=0.125, left=-1,
+                right=0, bottom_right=False, sinks=False, padded=False, packed=True, need_lse=True, total_q=0, total_kv=0,
+                deterministic=False)  # fmt: skip
+    try:
+        for direction, batch in (("forward", 1), ("forward", 1), ("backward", 1), ("forward", 3)):  # one cache hit
+            try:
+                cudnn_graphs.get_graph(cudnn_graphs.GraphSpec(direction=direction, batch=batch, **base))
+            except cudnn_graphs.GraphRejected:
+                assert batch == 3
+        builds = cudnn_attention.stats()["graph_builds"]
+        assert builds["forward"] == 2 and builds["backward"] == 1 and builds["seconds"] >= 0.0, builds
+        cudnn_attention.reset_stats()
+        assert cudnn_attention.stats()["graph_builds"] == {"forward": 0, "backward": 0, "seconds": 0.0}
+    finally:
+        cudnn_graphs.clear_cache()

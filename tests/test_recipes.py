@@ -59,7 +59,7 @@ def test_recipe_runs_three_steps_on_the_visible_fallback(recipe, tmp_path):
 def test_compare_eager_on_cpu_matches_the_exact_fallback(recipe, tmp_path):
     payload = _run(recipe, tmp_path, "--compare", "eager")
     _check_outputs(payload, tmp_path, "eager")
-    comparison = payload["comparison"]
+    comparison = payload["comparisons"]["eager"]
     assert comparison["reference"] == "eager" and comparison["steps"] == STEPS
     # Same seed, weights and batches; the fallback computes exactly what eager does, to fp32 rounding. For gpt-oss
     # this also shows eager keeps packed documents apart (transformers' gpt-oss masks need the recipe's hook).
@@ -68,9 +68,24 @@ def test_compare_eager_on_cpu_matches_the_exact_fallback(recipe, tmp_path):
     assert set(comparison["peak_memory_gib"]) == {"cudnn", "eager"}
 
 
+@pytest.mark.parametrize("recipe", ["train_sliding_window", "train_lightning"])
+def test_compare_with_several_implementations_in_one_run(recipe, tmp_path):
+    references = ["eager", "sdpa", "flex_attention"]
+    extra = ["--compare=[eager,sdpa,flex_attention]"] if recipe == "train_lightning" else ["--compare", *references]
+    payload = _run(recipe, tmp_path, *extra)
+    assert list(payload["runs"]) == ["cudnn", *references] and list(payload["comparisons"]) == references
+    assert "no backward on CPU" in payload["comparisons"]["flex_attention"]["skipped"]
+    for name in ("eager", "sdpa"):
+        _check_outputs(payload, tmp_path, name)
+    # sdpa and the fallback both compute in fp32 on a CPU: each is as close to eager as rounding allows.
+    distances = payload["loss_max_abs_diff_vs_eager"]
+    assert set(distances) == {"cudnn", "sdpa"} and max(distances.values()) < 1e-3, distances
+    assert payload["comparisons"]["sdpa"]["loss_max_abs_diff"] < 1e-3
+
+
 def test_compare_skips_what_cannot_run_here_with_the_reason(tmp_path):
     payload = _run("train_sinks", tmp_path, "--compare", "sdpa")
-    assert "does not support" in payload["comparison"]["skipped"]  # transformers has no sdpa for gpt-oss
+    assert "does not support" in payload["comparisons"]["sdpa"]["skipped"]  # transformers has no sdpa for gpt-oss
     from common import skip_reason
 
     assert "no backward on CPU" in skip_reason("flex_attention", device="cpu")
@@ -156,3 +171,24 @@ def test_local_checkpoint_tokenizer_and_jsonl_dataset(tmp_path):
     assert run["run"]["stats"]["fallback_forward"] == {"cpu tensors": 2 * 2}
     with pytest.raises(FileNotFoundError, match="local directories only"):
         train_sliding_window.main(["--checkpoint", str(tmp_path / "missing"), "--output_dir", str(out)])
+
+
+def test_recipe_benchmark_runs_each_case_as_a_user_command_and_tabulates_it(tmp_path):
+    sys.path.insert(0, str(RECIPES.parent / "benchmarks"))
+    import recipe_training as benchmark
+
+    (record,) = benchmark.main(["--suite", "loss", "--quick", "--only", "sinks", "--out", str(tmp_path)])
+    assert record["rc"] == 0 and record["command"].startswith("python recipes/train_sinks.py"), record
+    assert list(record["metrics"]["runs"]) == ["cudnn", "eager", "flex_attention"]
+    table = (tmp_path / "recipes_loss.md").read_text()
+    assert "| sinks | eager | 3 |" in table and "| sinks | flex_attention | skipped: flex_attention has no backward on CPU" in table
+    assert (tmp_path / "recipes_loss" / "sinks.png").stat().st_size > 0
+    assert json.loads((tmp_path / "recipes_loss.json").read_text())[0]["case"] == "sinks"
+
+
+def test_served_by_names_the_path_and_the_graph_build_time():
+    from common import served_by
+
+    stats = {"cudnn_forward": 8, "cudnn_backward": 8, "fallback_forward": {}, "graph_builds": {"forward": 2, "backward": 2, "seconds": 1.5}}
+    assert served_by(stats, implementation="cudnn") == "cuDNN (8 forward, 8 backward calls; 4 graphs built in 1.5 s)"
+    assert served_by({}, implementation="sdpa") == "transformers' 'sdpa' (no cudnn_attention call)"

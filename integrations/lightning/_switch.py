@@ -261,4 +261,5 @@ def _flat_counts(stats: dict) -> dict[str, int]:
         "provider_served_backward": served["sdpa_backward"] + served["varlen_backward"],
         "provider_torch_forward": sum(served["torch_forward"].values()),
         "provider_torch_backward": sum(served["torch_backward"].values()),
+        "graph_builds": stats["graph_builds"]["forward"] + stats["graph_builds"]["backward"],
     }

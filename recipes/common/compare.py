@@ -1,4 +1,4 @@
-"""Compare mode: the same steps (same seed, weights and batches) with another ``attn_implementation``.
+"""Compare mode: the same steps (same seed, weights and batches) with other ``attn_implementation`` values.
 
 An implementation that cannot run here is recorded as skipped with the reason, never silently
 dropped; :func:`reporting.comparison` turns two results into the loss-curve difference, the
@@ -8,7 +8,7 @@ speedup and the peak memory of each.
 from __future__ import annotations
 
 import gc
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -26,24 +26,29 @@ def skip_reason(implementation: str, *, device: str) -> str | None:
     return None
 
 
-def run_with_compare(run_once: Callable[[str], RunResult], *, primary: str, reference: str | None, device: str) -> dict[str, RunResult]:
-    """``{primary: result, reference: result}``; ``run_once(implementation)`` trains once and returns its result."""
+def run_with_compare(
+    run_once: Callable[[str], RunResult], *, primary: str, references: Sequence[str], device: str
+) -> dict[str, RunResult]:
+    """``{primary: result, reference: result, ...}`` in that order; ``run_once(implementation)`` trains once and returns its result."""
     results = {primary: run_once(primary)}
-    if reference is None or reference == primary:
-        return results
+    for reference in dict.fromkeys(references):  # each once, in the order given
+        if reference != primary:
+            results[reference] = _run_reference(run_once, reference, device=device)
+    return results
+
+
+def _run_reference(run_once: Callable[[str], RunResult], reference: str, *, device: str) -> RunResult:
     reason = skip_reason(reference, device=device)
     if reason is None:
         try:
-            results[reference] = run_once(reference)
+            return run_once(reference)
         except UnsupportedImplementation as error:
             reason = str(error)
         except torch.OutOfMemoryError as error:
             # eager materializes every document's full score matrix: expected at long contexts.
             reason = f"out of memory ({str(error).splitlines()[0]})"
-    if reason is not None:
-        print(f"compare: {reference} skipped: {reason}")
-        results[reference] = RunResult(attn_implementation=reference, skipped=reason)
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-    return results
+    print(f"compare: {reference} skipped: {reason}")
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # what the failed run allocated must not count against the next one
+    return RunResult(attn_implementation=reference, skipped=reason)

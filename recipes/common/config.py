@@ -113,9 +113,11 @@ class RecipeConfig:
     steps: int | None = field(default=None, metadata={"help": "optimizer steps; None: the size preset's"})
     lr: float = field(default=5e-4, metadata={"help": "peak learning rate (cosine schedule, 10%% warmup)"})
     attn: Literal["cudnn", "eager", "sdpa", "flex_attention"] = field(default="cudnn", metadata={"help": "attn_implementation"})
-    compare: Literal["eager", "sdpa", "flex_attention"] | None = field(
-        default=None, metadata={"help": "also run the same steps with this implementation and compare loss, speed and memory"}
-    )
+    compare: list[str] = field(
+        default_factory=list,
+        metadata={"help": "also run the same steps with these implementations (eager sdpa flex_attention) and compare loss, speed "
+                          "and memory", "choices": IMPLEMENTATIONS[1:]},
+    )  # fmt: skip
     strict: bool = field(default=False, metadata={"help": "raise instead of falling back from cuDNN (cudnn_attention.strict)"})
     output_dir: str | None = field(default=None, metadata={"help": "where metrics.json and loss.png go; None: runs/<recipe>"})
     checkpoint: str | None = field(default=None, metadata={"help": "local Hugging Face checkpoint directory to fine-tune"})

@@ -171,10 +171,10 @@ def run(config: RecipeConfig, *, recipe: str) -> dict:
             print("no GPU: cudnn_attention serves every attention call on its exact PyTorch fallback (counted below); cuDNN needs a GPU")
     results = run_with_compare(
         lambda implementation: train_once(config, implementation, dataset=dataset, tokenizer=tokenizer, output_dir=output_dir),
-        primary=config.attn, reference=config.compare, device=config.device,
+        primary=config.attn, references=config.compare, device=config.device,
     )  # fmt: skip
     title = f"{recipe}: {config.checkpoint or f'{config.model} {config.size}'}"
-    return finish(recipe=recipe, results=results, primary=config.attn, reference=config.compare, config=dict(vars(config)),
+    return finish(recipe=recipe, results=results, primary=config.attn, config=dict(vars(config)),
                   output_dir=output_dir, title=title, write=rank_zero)  # fmt: skip
 
 

@@ -97,7 +97,11 @@ def served_by(stats: dict, *, implementation: str) -> str:
     fallback = stats.get("fallback_forward", {})
     parts = []
     if any(cudnn):
-        parts.append(f"cuDNN ({cudnn[0]} forward, {cudnn[1]} backward calls)")
+        builds = stats.get("graph_builds", {})
+        built = builds.get("forward", 0) + builds.get("backward", 0)
+        # Graph builds fall inside the timed steps whenever a new document layout meets a new shape bucket.
+        graphs = f"; {built} graphs built in {builds.get('seconds', 0.0):.1f} s" if built else ""
+        parts.append(f"cuDNN ({cudnn[0]} forward, {cudnn[1]} backward calls{graphs})")
     if fallback:
         reasons = ", ".join(f"{reason}: {count}" for reason, count in fallback.items())
         parts.append(f"the exact PyTorch fallback, not cuDNN ({reasons} forward calls)")
@@ -113,28 +117,34 @@ def write_metrics(path: str | Path, payload: dict) -> Path:
 
 
 def plot_losses(path: str | Path, results: dict[str, RunResult], *, title: str) -> Path:
-    """Loss per step of each run; with two runs, a second panel shows their difference."""
+    """Loss per step of each run; with two runs or more, a second panel shows each run's difference from the baseline
+    (eager when it ran: the reference every other implementation is judged against; else the first run)."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only: no display on servers or CI
     import matplotlib.pyplot as plt
 
     ran = {name: result for name, result in results.items() if result.losses}
-    panels = 2 if len(ran) == 2 else 1
+    panels = 2 if len(ran) >= 2 else 1
     figure, axes = plt.subplots(panels, 1, figsize=(8, 3.2 * panels + 1), squeeze=False, sharex=True)
+    styles = ["-", "--", ":", "-."]
     for index, (name, result) in enumerate(ran.items()):
-        # The second curve dashed: curves that agree would otherwise hide each other.
-        axes[0][0].plot(range(1, len(result.losses) + 1), result.losses, label=name, linewidth=1.2, linestyle="-" if index == 0 else "--")
+        # Distinct line styles: curves that agree would otherwise hide each other.
+        axes[0][0].plot(range(1, len(result.losses) + 1), result.losses, label=name, linewidth=1.2, linestyle=styles[index % len(styles)])
     axes[0][0].set_ylabel("training loss")
     axes[0][0].legend()
     axes[0][0].set_title(title)
     if panels == 2:
-        (a, first), (b, second) = ran.items()
-        n = min(len(first.losses), len(second.losses))
-        difference = [x - y for x, y in zip(first.losses[:n], second.losses[:n], strict=True)]
-        axes[1][0].plot(range(1, n + 1), difference, color="tab:red", linewidth=1.0)
+        baseline = "eager" if "eager" in ran else next(iter(ran))
+        for name, result in ran.items():
+            if name == baseline:
+                continue
+            n = min(len(result.losses), len(ran[baseline].losses))
+            difference = [x - y for x, y in zip(result.losses[:n], ran[baseline].losses[:n], strict=True)]
+            axes[1][0].plot(range(1, n + 1), difference, linewidth=1.0, label=f"{name} - {baseline}")
         axes[1][0].axhline(0.0, color="gray", linewidth=0.6)
-        axes[1][0].set_ylabel(f"{a} - {b}")
+        axes[1][0].set_ylabel(f"loss - {baseline} loss")
+        axes[1][0].legend()
     axes[-1][0].set_xlabel("optimizer step")
     figure.tight_layout()
     path = Path(path)
@@ -145,8 +155,12 @@ def plot_losses(path: str | Path, results: dict[str, RunResult], *, title: str) 
 
 
 def comparison(results: dict[str, RunResult], *, primary: str, reference: str) -> dict:
-    """Loss-curve difference (max abs and relative difference of per-step losses), speedup (tokens/s ratio) and
-    peak memory of ``primary`` against ``reference``."""
+    """Loss-curve difference, speedup (tokens/s ratio) and peak memory of ``primary`` against ``reference``.
+
+    Two views of the per-step loss difference: the max abs (and relative) difference, which single spikes
+    dominate, and the mean abs difference over the second half of the run, which a systematic gap (a wrong
+    gradient trains worse step after step) dominates once the trajectories have separated.
+    """
     first, second = results[primary], results.get(reference)
     if second is None or second.skipped:
         return {"reference": reference, "skipped": second.skipped if second else "not run"}
@@ -159,6 +173,7 @@ def comparison(results: dict[str, RunResult], *, primary: str, reference: str) -
         "steps": n,
         "loss_max_abs_diff": max(diffs),
         "loss_max_rel_diff": max(diffs) / scale if scale else 0.0,
+        "loss_mean_abs_diff_second_half": sum(diffs[n // 2 :]) / len(diffs[n // 2 :]),
         "speedup_tokens_per_s": a["tokens_per_s"] / b["tokens_per_s"] if a["tokens_per_s"] and b["tokens_per_s"] else None,
         "tokens_per_s": {primary: a["tokens_per_s"], reference: b["tokens_per_s"]},
         "peak_memory_gib": {primary: a["peak_memory_gib"], reference: b["peak_memory_gib"]},
@@ -173,13 +188,20 @@ def describe_comparison(result: dict, *, primary: str) -> str:
     speedup = f"{result['speedup_tokens_per_s']:.2f}x" if result["speedup_tokens_per_s"] else "n/a"
     memory = ", ".join(f"{name} {gib:.2f} GiB" for name, gib in result["peak_memory_gib"].items() if gib is not None) or "n/a (cpu)"
     return (f"compare {primary} vs {reference} over {result['steps']} steps: loss max |diff| {result['loss_max_abs_diff']:.3g} "
-            f"(relative {result['loss_max_rel_diff']:.3g}), speedup {speedup} tokens/s, peak memory {memory}")  # fmt: skip
+            f"(relative {result['loss_max_rel_diff']:.3g}; second-half mean {result['loss_mean_abs_diff_second_half']:.3g}), "
+            f"speedup {speedup} tokens/s, peak memory {memory}")  # fmt: skip
 
 
-def finish(*, recipe: str, results: dict[str, RunResult], primary: str, reference: str | None, config: dict, output_dir: str | Path,
-           title: str, write: bool = True) -> dict:  # fmt: skip
-    """The metrics of a recipe run; with ``write`` (rank zero only) also print the summary and write ``metrics.json`` and ``loss.png``."""
+def finish(*, recipe: str, results: dict[str, RunResult], primary: str, config: dict, output_dir: str | Path, title: str,
+           write: bool = True) -> dict:  # fmt: skip
+    """The metrics of a recipe run; with ``write`` (rank zero only) also print the summary and write ``metrics.json`` and ``loss.png``.
+
+    ``results`` holds the primary run first, then the compared ones; ``payload["comparisons"]`` compares the
+    primary with each, and ``payload["loss_max_abs_diff_vs_eager"]`` / ``["loss_mean_abs_diff_second_half_vs_eager"]``
+    give every run's distance from eager (when eager ran): the primary's is judged against the other implementations'.
+    """
     first = results[primary]
+    references = [name for name in results if name != primary]
     payload = {
         "recipe": recipe,
         "config": config,
@@ -187,15 +209,27 @@ def finish(*, recipe: str, results: dict[str, RunResult], primary: str, referenc
         "world_size": first.world_size,
         "dense_bf16_peak_flops": first.peak_flops,
         "runs": {name: result.to_json() for name, result in results.items()},
+        "comparisons": {reference: comparison(results, primary=primary, reference=reference) for reference in references},
     }
-    if reference:
-        payload["comparison"] = comparison(results, primary=primary, reference=reference)
+    eager = results.get("eager")
+    if eager is not None and not eager.skipped:
+        against_eager = {
+            name: comparison(results, primary=name, reference="eager") for name, result in results.items() if name != "eager" and not result.skipped
+        }
+        for key in ("loss_max_abs_diff", "loss_mean_abs_diff_second_half"):
+            payload[f"{key}_vs_eager"] = {name: result[key] for name, result in against_eager.items()}
     if write:
         for result in results.values():
             print("\n".join(result.describe()))
         print(f"cudnn_attention.stats() after the {primary} run: {first.stats}")
-        if reference:
-            print(describe_comparison(payload["comparison"], primary=primary))
+        for reference in references:
+            print(describe_comparison(payload["comparisons"][reference], primary=primary))
+        if "loss_max_abs_diff_vs_eager" in payload:
+            distances = ", ".join(
+                f"{name} {diff:.3g} / {payload['loss_mean_abs_diff_second_half_vs_eager'][name]:.3g}"
+                for name, diff in payload["loss_max_abs_diff_vs_eager"].items()
+            )
+            print(f"loss-curve distance from eager (max |diff| / second-half mean |diff|): {distances}")
         metrics = write_metrics(Path(output_dir) / "metrics.json", payload)
         try:
             plot = plot_losses(Path(output_dir) / "loss.png", results, title=title)

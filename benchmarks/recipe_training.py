@@ -1,0 +1,305 @@
+"""End-to-end measurements of the recipes: loss curves, tokens/s and peak memory against eager, sdpa and
+flex_attention measured in the same run, a long-context configuration, and multi-GPU scaling.
+
+    python benchmarks/recipe_training.py --suite loss --out benchmarks/results     # 200-step loss curves against eager (1 GPU)
+    python benchmarks/recipe_training.py --suite speed --out benchmarks/results    # tokens/s and memory, small and long presets (1 GPU)
+    python benchmarks/recipe_training.py --suite scaling --out benchmarks/results  # 1 GPU against 2-GPU DDP and FSDP (2 GPUs)
+    python benchmarks/recipe_training.py --suite loss --quick                       # the plumbing on a CPU: tiny preset, 3 steps
+
+Every case is one recipe command (the same a user types, ``accelerate launch`` included) in its own process;
+its ``metrics.json`` is read back and summarized in ``recipes_<suite>.md`` / ``.json``, with each case's loss
+curve (``recipes_<suite>/<case>.png``) and log.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+FUSED = ("sdpa", "flex_attention")  # the implementations whose distance from eager bounds cudnn's
+_EXIT_NOISE = re.compile(r"leaked (instance|type|function)|nanobind|skipped remainder|refleaks")
+
+
+@dataclass(frozen=True)
+class Case:
+    """One recipe command: ``launch`` is ``python``, ``ddp`` (accelerate --multi_gpu) or ``fsdp`` (the shipped accelerate config)."""
+
+    name: str
+    recipe: str
+    args: tuple[str, ...]
+    launch: str = "python"
+    gpus: int = 1
+    env: dict = field(default_factory=dict)
+
+
+def _trainer(name, recipe, *args, **kwargs) -> Case:
+    return Case(name, recipe, tuple(args), **kwargs)
+
+
+def cases(suite: str, *, quick: bool) -> list[Case]:
+    """The cases of ``suite``; ``quick`` shrinks each to the tiny preset and 3 steps (CPU plumbing check)."""
+    if suite == "loss":
+        # 4096 tokens per step: eager materializes each document's score matrix, and must fit.
+        small = ("--size", "small", "--tokens_per_step", "4096", "--steps", "200")
+        found = [
+            _trainer("sliding_window", "train_sliding_window", *small, "--compare", "eager", "sdpa", "flex_attention"),
+            _trainer("sinks", "train_sinks", *small, "--compare", "eager", "flex_attention"),  # gpt-oss has no sdpa
+            _trainer("lightning", "train_lightning", "--model.size=small", "--model.tokens_per_step=4096", "--trainer.max_steps=200",
+                     "--trainer.enable_progress_bar=false", "--compare=[eager,sdpa]"),  # fmt: skip
+        ]
+    elif suite == "speed":
+        short = ("--size", "small", "--steps", "60")
+        long = ("--size", "long", "--steps", "20")
+        found = [
+            _trainer("sliding_window", "train_sliding_window", *short, "--compare", "flex_attention", "sdpa", "eager"),
+            _trainer("sinks", "train_sinks", *short, "--compare", "flex_attention", "eager"),
+            _trainer("sliding_window_long", "train_sliding_window", *long, "--compare", "flex_attention", "sdpa", "eager"),
+            _trainer("sinks_long", "train_sinks", *long, "--compare", "flex_attention", "eager"),
+        ]
+    elif suite == "scaling":
+        steps = ("--size", "small", "--steps", "40")
+        found = []
+        for recipe in ("train_sliding_window", "train_sinks"):
+            found += [
+                _trainer(f"{recipe}_1gpu", recipe, *steps, env={"CUDA_VISIBLE_DEVICES": "0"}),
+                _trainer(f"{recipe}_ddp", recipe, *steps, launch="ddp", gpus=2),
+                _trainer(f"{recipe}_fsdp", recipe, *steps, launch="fsdp", gpus=2),
+            ]
+        found += [
+            _trainer("lightning_fsdp", "train_lightning", "--model.size=small", "--trainer.max_steps=40", "--trainer.devices=2",
+                     "--trainer.strategy=fsdp", "--trainer.enable_progress_bar=false", gpus=2),  # fmt: skip
+        ]
+    else:
+        raise ValueError(f"unknown suite {suite!r}; suites: loss, speed, scaling")
+    return [_quick(case) for case in found] if quick else found
+
+
+def _quick(case: Case) -> Case:
+    lightning = case.recipe == "train_lightning"
+    args = []
+    skip_value = False
+    for arg in case.args:
+        if skip_value:
+            skip_value = False
+            continue
+        if arg in ("--size", "--steps", "--tokens_per_step"):
+            skip_value = True  # replaced below
+        elif not arg.startswith(("--model.size=", "--trainer.max_steps=", "--model.tokens_per_step=")):
+            args.append(arg)
+    args += ["--model.size=tiny", "--trainer.max_steps=3"] if lightning else ["--size", "tiny", "--steps", "3"]
+    return Case(case.name, case.recipe, tuple(args), case.launch, case.gpus, case.env)
+
+
+def command(case: Case, output_dir: Path) -> list[str]:
+    """The command line of ``case``, writing into ``output_dir``."""
+    script = str(ROOT / "recipes" / f"{case.recipe}.py")
+    out = [f"--trainer.default_root_dir={output_dir}"] if case.recipe == "train_lightning" else ["--output_dir", str(output_dir)]
+    launcher = [sys.executable]
+    if case.launch == "ddp":
+        launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(case.gpus)]
+    elif case.launch == "fsdp":
+        launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "recipes" / "accelerate_fsdp.yaml"),
+                    "--num_processes", str(case.gpus)]  # fmt: skip
+    return [*launcher, script, *case.args, *out]
+
+
+def shown(argv: list[str]) -> str:
+    """``argv`` as a user would type it from the project root."""
+    text = " ".join(argv).replace(f"{sys.executable} -m accelerate.commands.launch", "accelerate launch").replace(sys.executable, "python")
+    return text.replace(f"{ROOT}/", "")
+
+
+def run_case(case: Case, out: Path, *, timeout: float) -> dict:
+    """Run ``case``; its metrics (``metrics.json``) with the command and wall time, or the failure."""
+    output_dir = out / "runs" / case.name
+    shutil.rmtree(output_dir, ignore_errors=True)
+    argv = command(case, output_dir)
+    log = out / "logs" / f"{case.name}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    print(f"\n=== {case.name}: {shown(argv)}", flush=True)
+    start = time.perf_counter()
+    with log.open("w") as sink:
+        try:
+            rc = subprocess.run(argv, cwd=ROOT, env={**os.environ, **case.env}, stdout=sink, stderr=subprocess.STDOUT, timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    seconds = time.perf_counter() - start
+    text = log.read_text(errors="replace")
+    # The recipe's own summary lines (the progress bar and library chatter stay in the log).
+    summary = [line for line in text.splitlines() if line.startswith(("[", "compare", "loss-curve", "cudnn_attention.stats"))]
+    print("\n".join(summary) or text[-3000:], flush=True)
+    record = {"case": case.name, "command": shown(argv), "launch": case.launch, "gpus": case.gpus, "wall_s": seconds, "rc": rc}
+    metrics = output_dir / "metrics.json"
+    if rc != 0 or not metrics.exists():
+        # The cuDNN frontend's nanobind reports objects alive at interpreter exit; keep the error, not that list.
+        lines = [line for line in text.splitlines() if not _EXIT_NOISE.search(line)]
+        return {**record, "failed": "\n".join(lines[-60:])}
+    if (output_dir / "loss.png").exists():
+        shutil.copy(output_dir / "loss.png", out / f"{case.name}.png")
+    return {**record, "metrics": json.loads(metrics.read_text())}
+
+
+def _f(value, spec: str, missing: str = "-") -> str:
+    return missing if value is None else format(value, spec)
+
+
+def _mfu(run: dict) -> str:
+    return "-" if run["mfu"] is None else f"{100 * run['mfu']:.1f}%"
+
+
+def _distances(metrics: dict, name: str) -> tuple[float, float] | None:
+    """(max abs, second-half mean abs) difference of ``name``'s per-step losses from eager's, when both ran."""
+    maxima, means = metrics.get("loss_max_abs_diff_vs_eager", {}), metrics.get("loss_mean_abs_diff_second_half_vs_eager", {})
+    return (maxima[name], means[name]) if name in maxima else None
+
+
+def _row(*cells, width: int = 0) -> str:
+    """A Markdown table row, padded with empty cells to ``width``."""
+    cells = [str(cell) for cell in cells] + [""] * (width - len(cells))
+    return "| " + " | ".join(cells) + " |"
+
+
+def _table(columns: list[str], records: list[dict], row_cells, failed_cells) -> list[str]:
+    """Header plus ``row_cells(record)`` (a list of rows) for each record, or ``failed_cells(record)`` for a failed one."""
+    lines = [_row(*columns), "|" + "---|" * len(columns)]
+    for record in records:
+        rows = [failed_cells(record)] if "failed" in record else row_cells(record)
+        lines += [_row(*cells, width=len(columns)) for cells in rows]
+    return lines
+
+
+def _implementation_cells(record: dict) -> list[list]:
+    """The rows of one case: each implementation that ran (or why it was skipped)."""
+    rows = []
+    metrics = record["metrics"]
+    runs = metrics["runs"]
+    primary = next(iter(runs))
+    for name, run in runs.items():
+        if "skipped" in run:
+            rows.append([record["case"], name, f"skipped: {run['skipped'][:120]}"])
+            continue
+        speedup = runs[primary]["tokens_per_s"] / run["tokens_per_s"] if run["tokens_per_s"] else None
+        distance = _distances(metrics, name)
+        distance_text = "reference" if name == "eager" else "-" if distance is None else f"{distance[0]:.3g} / {distance[1]:.3g}"
+        rows.append([record["case"], name, run["steps"], _f(run["tokens_per_s"], ",.0f"), f"{_f(speedup, '.2f')}x", _mfu(run),
+                     _f(run["peak_memory_gib"], ".2f"), distance_text, run["served_by"]])  # fmt: skip
+    return rows
+
+
+def implementation_rows(records: list[dict]) -> list[str]:
+    """One Markdown row per (case, implementation): tokens/s, speedup of cudnn, MFU, peak memory, loss distance from eager."""
+    columns = ["case", "implementation", "steps", "tokens/s", "cudnn speedup", "MFU", "peak GiB",
+               "loss diff from eager: max / second-half mean", "attention served by"]  # fmt: skip
+    return _table(columns, records, _implementation_cells, lambda r: [r["case"], f"failed (rc {r['rc']})", *[""] * 6, f"see logs/{r['case']}.log"])
+
+
+def loss_verdicts(records: list[dict]) -> list[str]:
+    """Per case: cudnn's loss-curve distance from eager against the other fused implementations' (both measures)."""
+    lines = []
+    for record in records:
+        metrics = record.get("metrics") or {}
+        cudnn = _distances(metrics, "cudnn")
+        others = {name: _distances(metrics, name) for name in FUSED if _distances(metrics, name)}
+        if cudnn is None or not others:
+            continue
+        within = all(cudnn[i] <= max(d[i] for d in others.values()) for i in (0, 1))
+        others_text = ", ".join(f"{name} {d[0]:.3g} / {d[1]:.3g}" for name, d in others.items())
+        lines.append(
+            f"- {record['case']}: cudnn {cudnn[0]:.3g} / {cudnn[1]:.3g} vs {others_text}: "
+            f"{'within' if within else 'OUTSIDE'} what the other fused kernels show"
+        )
+    return lines
+
+
+def scaling_rows(records: list[dict]) -> list[str]:
+    """Per-GPU throughput of each multi-GPU run against the 1-GPU run of the same recipe."""
+    single = {}
+    for record in records:
+        if record["gpus"] == 1 and "metrics" in record:
+            single[record["metrics"]["recipe"]] = record["metrics"]["runs"]["cudnn"]["tokens_per_s"]
+    columns = ["case", "launch", "GPUs", "distributed", "tokens/s (all GPUs)", "tokens/s per GPU", "per-GPU scaling vs 1 GPU", "MFU",
+               "peak GiB (rank 0)", "final loss"]  # fmt: skip
+
+    def cells(record: dict) -> list[list]:
+        metrics = record["metrics"]
+        run = metrics["runs"]["cudnn"]
+        base = single.get(metrics["recipe"])
+        per_gpu = run["tokens_per_s_per_device"]
+        scaling = per_gpu / base if base and per_gpu and record["gpus"] > 1 else None
+        return [[record["case"], record["launch"], metrics["world_size"], run["run"]["distributed"], _f(run["tokens_per_s"], ",.0f"),
+                 _f(per_gpu, ",.0f"), _f(scaling, ".2f"), _mfu(run), _f(run["peak_memory_gib"], ".2f"), _f(run["final_loss"], ".4f")]]  # fmt: skip
+
+    return _table(columns, records, cells, lambda r: [r["case"], r["launch"], r["gpus"], f"failed (rc {r['rc']})"])
+
+
+def report(suite: str, records: list[dict], *, header: str) -> str:
+    lines = [f"# Recipes, suite `{suite}`", "", header, ""]
+    lines += ["Commands (from the project root):", ""] + [f"- `{r['case']}`: `{r['command']}` ({r['wall_s']:.0f} s)" for r in records] + [""]
+    if suite == "scaling":
+        lines += scaling_rows(records)
+    else:
+        lines += implementation_rows(records)
+        verdicts = loss_verdicts(records)
+        if verdicts:
+            lines += ["", "Loss-curve distance from eager, max / second-half mean abs difference of per-step losses (same seed, weights "
+                      "and batches):", ""]
+            lines += verdicts
+    return "\n".join(lines) + "\n"
+
+
+def environment() -> str:
+    import torch
+
+    parts = [f"torch {torch.__version__}"]
+    if torch.cuda.is_available():
+        parts.insert(0, f"{torch.cuda.device_count()} x {torch.cuda.get_device_name()}")
+        parts.append(f"cuDNN backend {torch.backends.cudnn.version()}")
+    try:
+        import cudnn
+
+        parts.append(f"cuDNN frontend {cudnn.__version__}")
+    except ImportError:
+        parts.append("no cuDNN frontend")
+    import transformers
+
+    parts.append(f"transformers {transformers.__version__}")
+    return "Measured on " + ", ".join(parts) + f", {time.strftime('%Y-%m-%d')}."
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--suite", choices=("loss", "speed", "scaling"), required=True)
+    parser.add_argument("--out", type=Path, default=ROOT / "runs" / "benchmarks")
+    parser.add_argument("--quick", action="store_true", help="tiny preset, 3 steps: check the plumbing (CPU)")
+    parser.add_argument("--only", nargs="+", default=None, help="run only these case names")
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds per case")
+    args = parser.parse_args(argv)
+    selected = [case for case in cases(args.suite, quick=args.quick) if args.only is None or case.name in args.only]
+    import torch
+
+    if any(case.gpus > max(1, torch.cuda.device_count()) for case in selected):  # one process runs on a CPU too (the fallback)
+        parser.error(f"suite {args.suite!r} needs {max(case.gpus for case in selected)} GPUs; this machine has {torch.cuda.device_count()}")
+    out = args.out / f"recipes_{args.suite}"
+    out.mkdir(parents=True, exist_ok=True)
+    header, records = environment(), []
+    for case in selected:
+        records.append(run_case(case, out, timeout=args.timeout))
+        # Rewritten after every case: a run cut short still leaves the cases it finished.
+        text = report(args.suite, records, header=header)
+        (args.out / f"recipes_{args.suite}.md").write_text(text)
+        (args.out / f"recipes_{args.suite}.json").write_text(json.dumps(records, indent=1, default=str) + "\n")
+    print("\n" + text)
+    return records
+
+
+if __name__ == "__main__":
+    main()
