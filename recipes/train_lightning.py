@@ -115,6 +115,16 @@ class PackedCausalLM(LightningModule):
         self.log("loss", loss, prog_bar=True)
         return loss
 
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
+        # Lightning's FSDP precision plugin refuses to clip by norm (each rank holds only a shard, so a local norm
+        # would be wrong); the FSDP root module computes the global norm across ranks.
+        from lightning.pytorch.strategies import FSDPStrategy
+
+        if isinstance(self.trainer.strategy, FSDPStrategy) and gradient_clip_val and gradient_clip_algorithm in (None, "norm"):
+            self.trainer.strategy.model.clip_grad_norm_(gradient_clip_val)
+            return
+        self.clip_gradients(optimizer, gradient_clip_val=gradient_clip_val, gradient_clip_algorithm=gradient_clip_algorithm)
+
     def configure_optimizers(self):
         from transformers import get_cosine_schedule_with_warmup
 

@@ -192,3 +192,29 @@ def test_served_by_names_the_path_and_the_graph_build_time():
     stats = {"cudnn_forward": 8, "cudnn_backward": 8, "fallback_forward": {}, "graph_builds": {"forward": 2, "backward": 2, "seconds": 1.5}}
     assert served_by(stats, implementation="cudnn") == "cuDNN (8 forward, 8 backward calls; 4 graphs built in 1.5 s)"
     assert served_by({}, implementation="sdpa") == "transformers' 'sdpa' (no cudnn_attention call)"
+
+
+def test_lightning_recipe_clips_gradients_by_norm_under_fsdp():
+    # Lightning's FSDP precision plugin raises on clipping by norm; the recipe clips through the FSDP root module,
+    # which reduces the norm over every rank's shard. FSDP needs GPUs, so the trainer is a stand-in here.
+    from types import SimpleNamespace
+
+    from lightning.pytorch.plugins.precision import FSDPPrecision
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    import train_lightning
+
+    clipped = []
+
+    class FSDPRoot(torch.nn.Module):
+        def clip_grad_norm_(self, max_norm):
+            clipped.append(max_norm)
+
+    strategy = FSDPStrategy()
+    strategy.model = FSDPRoot()
+    module = train_lightning.PackedCausalLM(size="tiny")
+    module._trainer = SimpleNamespace(strategy=strategy, precision_plugin=FSDPPrecision("bf16-true"), gradient_clip_val=1.0,
+                                      gradient_clip_algorithm="norm")  # fmt: skip
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)  # the model is built later, in configure_model
+    module.configure_gradient_clipping(optimizer, gradient_clip_val=1.0, gradient_clip_algorithm="norm")
+    assert clipped == [1.0]
