@@ -45,8 +45,9 @@ def _trainer(name, recipe, *args, **kwargs) -> Case:
     return Case(name, recipe, tuple(args), **kwargs)
 
 
-def cases(suite: str, *, quick: bool) -> list[Case]:
-    """The cases of ``suite``; ``quick`` shrinks each to the tiny preset and 3 steps (CPU plumbing check)."""
+def cases(suite: str, *, quick: bool = False, steps: int | None = None) -> list[Case]:
+    """The cases of ``suite``; ``steps`` replaces each case's step count; ``quick`` shrinks each to the tiny preset
+    and 3 steps (CPU plumbing check)."""
     if suite == "loss":
         # 4096 tokens per step: eager materializes each document's score matrix, and must fit.
         small = ("--size", "small", "--tokens_per_step", "4096", "--steps", "200")
@@ -66,13 +67,13 @@ def cases(suite: str, *, quick: bool) -> list[Case]:
             _trainer("sinks_long", "train_sinks", *long, "--compare", "flex_attention", "eager"),
         ]
     elif suite == "scaling":
-        steps = ("--size", "small", "--steps", "40")
+        small = ("--size", "small", "--steps", "40")
         found = []
         for recipe in ("train_sliding_window", "train_sinks"):
             found += [
-                _trainer(f"{recipe}_1gpu", recipe, *steps, env={"CUDA_VISIBLE_DEVICES": "0"}),
-                _trainer(f"{recipe}_ddp", recipe, *steps, launch="ddp", gpus=2),
-                _trainer(f"{recipe}_fsdp", recipe, *steps, launch="fsdp", gpus=2),
+                _trainer(f"{recipe}_1gpu", recipe, *small, env={"CUDA_VISIBLE_DEVICES": "0"}),
+                _trainer(f"{recipe}_ddp", recipe, *small, launch="ddp", gpus=2),
+                _trainer(f"{recipe}_fsdp", recipe, *small, launch="fsdp", gpus=2),
             ]
         found += [
             _trainer("lightning_fsdp", "train_lightning", "--model.size=small", "--trainer.max_steps=40", "--trainer.devices=2",
@@ -80,22 +81,27 @@ def cases(suite: str, *, quick: bool) -> list[Case]:
         ]
     else:
         raise ValueError(f"unknown suite {suite!r}; suites: loss, speed, scaling")
-    return [_quick(case) for case in found] if quick else found
+    if quick:
+        return [_with_steps(case, 3, tiny=True) for case in found]
+    return [_with_steps(case, steps) for case in found] if steps else found
 
 
-def _quick(case: Case) -> Case:
+def _with_steps(case: Case, steps: int, *, tiny: bool = False) -> Case:
+    """``case`` with ``steps`` optimizer steps; ``tiny`` also swaps its size preset (and token budget) for the tiny one."""
     lightning = case.recipe == "train_lightning"
-    args = []
-    skip_value = False
+    replaced = ("--steps", "--size", "--tokens_per_step") if tiny else ("--steps",)
+    replaced_lightning = ("--trainer.max_steps=", "--model.size=", "--model.tokens_per_step=") if tiny else ("--trainer.max_steps=",)
+    args, skip_value = [], False
     for arg in case.args:
         if skip_value:
             skip_value = False
-            continue
-        if arg in ("--size", "--steps", "--tokens_per_step"):
-            skip_value = True  # replaced below
-        elif not arg.startswith(("--model.size=", "--trainer.max_steps=", "--model.tokens_per_step=")):
+        elif arg in replaced:
+            skip_value = True  # its value goes too
+        elif not arg.startswith(replaced_lightning):
             args.append(arg)
-    args += ["--model.size=tiny", "--trainer.max_steps=3"] if lightning else ["--size", "tiny", "--steps", "3"]
+    args += [f"--trainer.max_steps={steps}"] if lightning else ["--steps", str(steps)]
+    if tiny:
+        args += ["--model.size=tiny"] if lightning else ["--size", "tiny"]
     return Case(case.name, case.recipe, tuple(args), case.launch, case.gpus, case.env)
 
 
@@ -280,10 +286,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--suite", choices=("loss", "speed", "scaling"), required=True)
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "benchmarks")
     parser.add_argument("--quick", action="store_true", help="tiny preset, 3 steps: check the plumbing (CPU)")
+    parser.add_argument("--steps", type=int, default=None, help="optimizer steps of every case (default: each case's own)")
     parser.add_argument("--only", nargs="+", default=None, help="run only these case names")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per case")
     args = parser.parse_args(argv)
-    selected = [case for case in cases(args.suite, quick=args.quick) if args.only is None or case.name in args.only]
+    selected = [case for case in cases(args.suite, quick=args.quick, steps=args.steps) if args.only is None or case.name in args.only]
     import torch
 
     if any(case.gpus > max(1, torch.cuda.device_count()) for case in selected):  # one process runs on a CPU too (the fallback)

@@ -184,6 +184,10 @@ def test_recipe_benchmark_runs_each_case_as_a_user_command_and_tabulates_it(tmp_
     assert "| sinks | eager | 3 |" in table and "| sinks | flex_attention | skipped: flex_attention has no backward on CPU" in table
     assert (tmp_path / "recipes_loss" / "sinks.png").stat().st_size > 0
     assert json.loads((tmp_path / "recipes_loss.json").read_text())[0]["case"] == "sinks"
+    for case in benchmark.cases("scaling", steps=7):  # --steps replaces each case's own count, keeping the rest
+        assert case.args[-2:] == ("--steps", "7") or case.args[-1] == "--trainer.max_steps=7", case
+        assert sum(arg in ("--steps",) or arg.startswith("--trainer.max_steps=") for arg in case.args) == 1
+        assert "small" in " ".join(case.args)
 
 
 def test_served_by_names_the_path_and_the_graph_build_time():
