@@ -5,7 +5,8 @@
     accelerate launch --multi_gpu --num_processes 2 recipes/train_sinks.py
 
 The same engine and flags as recipe 1 (``recipes/train_sliding_window.py``) with ``--model gpt_oss`` as the default:
-cuDNN trains the sinks (their gradient included), which no other fused kernel does.
+cuDNN trains the sinks (their gradient included) in fused kernels; FlashAttention 2/3/4 have no sink backward, so without it
+the alternatives are eager (quadratic memory) and flex_attention (compiled, block masks rebuilt for each packed layout).
 """
 
 from common.hf_trainer import main as run_recipe
