@@ -19,6 +19,7 @@ from typing import Literal
 import torch
 from lightning.pytorch import Callback, LightningModule
 from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.strategies import FSDPStrategy
 
 import cudnn_attention
 from common.compare import run_with_compare
@@ -118,8 +119,6 @@ class PackedCausalLM(LightningModule):
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
         # Lightning's FSDP precision plugin refuses to clip by norm (each rank holds only a shard, so a local norm
         # would be wrong); the FSDP root module computes the global norm across ranks.
-        from lightning.pytorch.strategies import FSDPStrategy
-
         if isinstance(self.trainer.strategy, FSDPStrategy) and gradient_clip_val and gradient_clip_algorithm in (None, "norm"):
             self.trainer.strategy.model.clip_grad_norm_(gradient_clip_val)
             return
