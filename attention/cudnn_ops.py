@@ -17,16 +17,12 @@ import logging
 import torch
 
 from .cudnn_graphs import GraphRejected, GraphSpec, execute, frontend_unavailable_reason, graph_for_call
-from .layouts import allocate_backward_outputs, allocate_forward_outputs, like_layout_strides, shape_bucket, thd_descriptor_strides
+from .layouts import MIN_SEQ_BUCKET, allocate_backward_outputs, allocate_forward_outputs, like_layout_strides, packed_bounds, shape_bucket, thd_descriptor_strides
 from .policy import count_cudnn
 
 __all__ = ["cudnn_forward", "resolve_cudnn"]
 
 _logger = logging.getLogger(__name__)
-
-# Longest-document and token-count buckets never go below one 64-row tile.
-_MIN_SEQ_BUCKET = 64
-
 
 # ----------------------------------------------------------------------------------------------
 # Specs
@@ -40,8 +36,9 @@ def _geometry(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_kv):
         o_strides = like_layout_strides((B, H, S_q, v.shape[-1]), q)
         return B, S_q, k.shape[2], q.stride(), k.stride(), v.stride(), o_strides
     H, D_v = q.shape[1], v.shape[-1]
-    batch = shape_bucket(cu_seqlens_q.numel() - 1, 1)
-    S_q, S_kv = shape_bucket(max_seqlen_q, _MIN_SEQ_BUCKET), shape_bucket(max_seqlen_kv, _MIN_SEQ_BUCKET)
+    documents = cu_seqlens_q.numel() - 1
+    batch, S_q = packed_bounds(documents=documents, max_seqlen=max_seqlen_q, tokens=q.shape[0])
+    _, S_kv = packed_bounds(documents=documents, max_seqlen=max_seqlen_kv, tokens=k.shape[0])
     o_strides = (S_q * H * D_v, D_v, H * D_v, 1)
     return batch, S_q, S_kv, thd_descriptor_strides(q, S_q), thd_descriptor_strides(k, S_kv), thd_descriptor_strides(v, S_kv), o_strides
 
@@ -55,7 +52,7 @@ def _spec(direction, q, k, v, *, sinks, padded, cu_seqlens_q, max_seqlen_q, max_
         if packed:
             H, H_kv, D, D_v = q.shape[1], k.shape[1], q.shape[2], v.shape[2]
             grad_strides = ((S_q * H * D, D, H * D, 1), (S_kv * H_kv * D, D, H_kv * D, 1), (S_kv * H_kv * D_v, D_v, H_kv * D_v, 1))
-            total_q, total_kv = shape_bucket(q.shape[0], _MIN_SEQ_BUCKET), shape_bucket(k.shape[0], _MIN_SEQ_BUCKET)
+            total_q, total_kv = shape_bucket(q.shape[0], MIN_SEQ_BUCKET), shape_bucket(k.shape[0], MIN_SEQ_BUCKET)
         else:
             grad_strides = tuple(like_layout_strides(tuple(t.shape), t) for t in (q, k, v))
     return GraphSpec(

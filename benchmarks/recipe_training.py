@@ -61,10 +61,13 @@ def cases(suite: str, *, quick: bool = False, steps: int | None = None) -> list[
         short = ("--size", "small", "--steps", "60")
         long = ("--size", "long", "--steps", "20")
         found = [
-            _trainer("sliding_window", "train_sliding_window", *short, "--compare", "flex_attention", "sdpa", "eager"),
+            # No eager for the Mistral-like model at 16k tokens per step: eager computes every score of the packed row, and the
+            # case with it did not finish within 200 s on an H200. The loss suite compares it with eager at 4096 tokens.
+            _trainer("sliding_window", "train_sliding_window", *short, "--compare", "flex_attention", "sdpa"),
             _trainer("sinks", "train_sinks", *short, "--compare", "flex_attention", "eager"),
-            _trainer("sliding_window_long", "train_sliding_window", *long, "--compare", "flex_attention", "sdpa", "eager"),
-            _trainer("sinks_long", "train_sinks", *long, "--compare", "flex_attention", "eager"),
+            # No eager at 16k-32k documents: one layer's score matrix alone (16 heads x 32k x 32k fp32) is 64 GiB.
+            _trainer("sliding_window_long", "train_sliding_window", *long, "--compare", "flex_attention", "sdpa"),
+            _trainer("sinks_long", "train_sinks", *long, "--compare", "flex_attention"),
         ]
     elif suite == "scaling":
         small = ("--size", "small", "--steps", "40")

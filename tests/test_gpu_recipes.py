@@ -1,5 +1,5 @@
 """The recipes on a GPU (small preset, bf16): cuDNN serves every attention call in strict mode, and the loss curve
-against eager stays within what sdpa vs eager shows. About 2 minutes on an H200 for the whole file."""
+against eager stays within what sdpa vs eager shows. A few minutes on an H200 for the whole file."""
 
 import sys
 from pathlib import Path
@@ -11,6 +11,8 @@ pytest.importorskip("matplotlib")
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 sys.path.insert(0, str(RECIPES))
+
+from gradients import gradient_mismatches, parameter_gradients  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 STEPS = 20
@@ -53,7 +55,52 @@ def test_loss_curve_against_eager_within_what_another_fused_kernel_shows(recipe,
     args = ["--size", "small", "--steps", str(STEPS), "--tokens_per_step", COMPARE_TOKENS, "--compare", "eager", fused]
     payload = __import__(recipe).main([*args, "--output_dir", str(tmp_path)])
     distances = payload["loss_max_abs_diff_vs_eager"]
-    assert distances["cudnn"] <= 2 * distances[fused] + 2e-3, distances
-    # The first loss comes before any update: the forward alone, before training amplifies any difference.
     first = {name: run["first_loss"] for name, run in payload["runs"].items()}
+    # One run of another kernel is a noisy yardstick for gpt-oss: a routing flip lands at a random step. Over the
+    # first 20 steps flex_attention was 0.0054 from eager in one run of this test and 0.164 in the loss suite's
+    # 200-step run (cudnn 0.030 and 0.066). So the bound has a floor of 1% of the first loss (about 0.058);
+    # cuDNN's wrong dQ for gpt-oss's head-major q put it 0.372 from eager here.
+    assert distances["cudnn"] <= max(2 * distances[fused] + 2e-3, 0.01 * first["eager"]), distances
+    # The first loss comes before any update: the forward alone, before training amplifies any difference.
     assert abs(first["cudnn"] - first["eager"]) <= 2 * abs(first[fused] - first["eager"]) + 2e-3 * abs(first["eager"]), first
+
+
+def recipe_batch_gradients(family: str, *, size: str, tokens: int, device: str) -> dict:
+    """Parameter gradients of one packed recipe batch (the recipe's model, corpus, tokenizer and packing) for cuDNN in bf16
+    and eager in fp32 and bf16. gpt-oss routes to every expert here: top-2 routing flips on bf16 near-ties, a
+    discontinuity that has nothing to do with attention."""
+    import dataclasses
+
+    import torch
+    from common import STATS_KEY, PackedCollator, build_dataset, build_model, data_budget, load_tokenizer, model_shape
+
+    tokenizer = load_tokenizer()
+    budget = data_budget(size=size)
+    dataset = build_dataset(tokenizer=tokenizer, dataset=None, text_field="text", tokens_per_step=tokens, min_doc_tokens=budget.min_doc_tokens,
+                            max_doc_tokens=budget.max_doc_tokens, seed=0)  # fmt: skip
+    batch = PackedCollator()([dataset[0]])
+    batch.pop(STATS_KEY)
+    batch = {key: value.to(device) if isinstance(value, torch.Tensor) else value for key, value in batch.items()}
+    shape = model_shape(family=family, size=size)
+    if shape.experts:
+        shape = dataclasses.replace(shape, experts_per_token=shape.experts)
+    grads = {}
+    for implementation, dtype in (("cudnn", torch.bfloat16), ("eager", torch.float32), ("eager", torch.bfloat16)):
+        model = build_model(attn_implementation=implementation, family=family, shape=shape, vocab_size=tokenizer.vocab_size,
+                            max_positions=max(4096, budget.max_doc_tokens), tokenizer=tokenizer, device=device, dtype=dtype, seed=0)  # fmt: skip
+        model.train()(**batch).loss.backward()
+        grads[implementation, dtype] = parameter_gradients(model)
+        del model
+    return grads
+
+
+@pytest.mark.parametrize("family", ["mistral", "gpt_oss"])
+def test_one_recipe_batch_gives_eager_gradients_for_every_parameter(family):
+    # The tiny-model gradient test (test_gpu_hf.py) at the recipes' scale: the small preset (Mistral D 128, window 1024;
+    # gpt-oss D 64, window 128, sinks) on 4096 packed tokens of 256-4096-token documents, the shapes, windows and graph
+    # bounds the loss curves come from. eager keeps packed documents apart through position_ids.
+    import torch
+
+    grads = recipe_batch_gradients(family, size="small", tokens=int(COMPARE_TOKENS), device="cuda")
+    mismatches = gradient_mismatches(grads["cudnn", torch.bfloat16], grads["eager", torch.float32], grads["eager", torch.bfloat16])
+    assert not mismatches, "\n".join(mismatches)
