@@ -1,13 +1,10 @@
 """Fake (meta) kernels report the shapes and strides the real kernels produce."""
 
 import itertools
-import math
-import random
 
 import torch
 
 import cudnn_attention  # noqa: F401 - registers the ops
-from cudnn_attention import cudnn_ops
 from cudnn_attention.layouts import allocate_forward_outputs, like_layout_strides, packed_bounds, shape_bucket, token_major
 
 
@@ -83,35 +80,6 @@ def test_packed_bounds_hold_every_document_within_one_octave():
             batch, seq = packed_bounds(documents=documents, max_seqlen=max_seqlen, tokens=tokens)
             assert documents <= batch < 2 * documents, (documents, max_seqlen, tokens)
             assert max_seqlen <= seq < 2 * max(max_seqlen, 64) and seq <= shape_bucket(tokens, 64), (documents, max_seqlen, tokens)
-
-
-def _recipe_like_packs(tokens_per_step, steps, *, low=256, high=4096, seed=0):
-    """Document lengths log-uniform in [low, high], packed to a fixed token count per step (as the recipes pack)."""
-    rng, packs, room, current = random.Random(seed), [], tokens_per_step, []
-    while len(packs) < steps:
-        length = int(math.exp(rng.uniform(math.log(low), math.log(high))))
-        while length:
-            piece = min(length, room)
-            current.append(piece)
-            length, room = length - piece, room - piece
-            if room == 0:
-                packs.append(current)
-                current, room = [], tokens_per_step
-    return packs
-
-
-def test_packed_graphs_built_over_a_training_run_are_few():
-    # Every distinct (document count, longest document) bound builds a forward and a backward graph,
-    # each about 0.1 s on an H200; the recipes' packs once met 15 of them per mask in 200 steps.
-    for tokens_per_step, most in ((4096, 6), (16384, 4)):
-        q = torch.empty(tokens_per_step, 16, 64, device="meta", dtype=torch.bfloat16)
-        kv = torch.empty(tokens_per_step, 4, 64, device="meta", dtype=torch.bfloat16)
-        bounds = set()
-        for lengths in _recipe_like_packs(tokens_per_step, 200):
-            cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
-            batch, seq_q, seq_kv, *_ = cudnn_ops._geometry(q, kv, kv, cu, max(lengths), max(lengths))
-            bounds.add((batch, seq_q, seq_kv))
-        assert len(bounds) <= most, (tokens_per_step, sorted(bounds))
 
 
 def test_token_major_copies_only_head_major_packed_tensors():
