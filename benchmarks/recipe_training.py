@@ -2,11 +2,12 @@
 flex_attention measured in the same run, a long-context configuration, and multi-GPU scaling.
 
     python benchmarks/recipe_training.py --suite loss --out benchmarks/results     # 200-step loss curves against eager (1 GPU)
+    python benchmarks/recipe_training.py --suite loss --seeds 0 1 2                # the same for three seeds (init and batch order)
     python benchmarks/recipe_training.py --suite speed --out benchmarks/results    # tokens/s and memory, small and long presets (1 GPU)
     python benchmarks/recipe_training.py --suite scaling --out benchmarks/results  # 1 GPU against 2-GPU DDP and FSDP (2 GPUs)
     python benchmarks/recipe_training.py --suite loss --quick                       # the plumbing on a CPU: tiny preset, 3 steps
 
-Every case is one recipe command (the same a user types, ``accelerate launch`` included) in its own process;
+Every case (and seed) is one recipe command (the same a user types, ``accelerate launch`` included) in its own process;
 its ``metrics.json`` is read back and summarized in ``recipes_<suite>.md`` / ``.json``, with each case's loss
 curve (``recipes_<suite>/<case>.png``) and log.
 """
@@ -14,6 +15,7 @@ curve (``recipes_<suite>/<case>.png``) and log.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -31,7 +33,8 @@ _EXIT_NOISE = re.compile(r"leaked (instance|type|function)|nanobind|skipped rema
 
 @dataclass(frozen=True)
 class Case:
-    """One recipe command: ``launch`` is ``python``, ``ddp`` (accelerate --multi_gpu) or ``fsdp`` (the shipped accelerate config)."""
+    """One recipe command: ``launch`` is ``python``, ``ddp`` (accelerate --multi_gpu) or ``fsdp`` (the shipped accelerate config);
+    ``seed`` (model init and batch order) is the recipe's default when None."""
 
     name: str
     recipe: str
@@ -39,6 +42,16 @@ class Case:
     launch: str = "python"
     gpus: int = 1
     env: dict = field(default_factory=dict)
+    seed: int | None = None
+
+    @property
+    def label(self) -> str:
+        return run_label(self.name, self.seed)
+
+
+def run_label(case: str, seed: int | None) -> str:
+    """The name of one run's output directory, log and plot, and its cell in the tables."""
+    return case if seed is None else f"{case}-seed{seed}"
 
 
 def _trainer(name, recipe, *args, **kwargs) -> Case:
@@ -105,13 +118,16 @@ def _with_steps(case: Case, steps: int, *, tiny: bool = False) -> Case:
     args += [f"--trainer.max_steps={steps}"] if lightning else ["--steps", str(steps)]
     if tiny:
         args += ["--model.size=tiny"] if lightning else ["--size", "tiny"]
-    return Case(case.name, case.recipe, tuple(args), case.launch, case.gpus, case.env)
+    return dataclasses.replace(case, args=tuple(args))
 
 
 def command(case: Case, output_dir: Path) -> list[str]:
     """The command line of ``case``, writing into ``output_dir``."""
     script = str(ROOT / "recipes" / f"{case.recipe}.py")
-    out = [f"--trainer.default_root_dir={output_dir}"] if case.recipe == "train_lightning" else ["--output_dir", str(output_dir)]
+    lightning = case.recipe == "train_lightning"
+    out = [f"--trainer.default_root_dir={output_dir}"] if lightning else ["--output_dir", str(output_dir)]
+    if case.seed is not None:  # the Lightning recipe seeds its model and batch order from hparams, the rest of the run from the CLI
+        out += [f"--model.seed={case.seed}", f"--seed_everything={case.seed}"] if lightning else ["--seed", str(case.seed)]
     launcher = [sys.executable]
     if case.launch == "ddp":
         launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(case.gpus)]
@@ -129,12 +145,12 @@ def shown(argv: list[str]) -> str:
 
 def run_case(case: Case, out: Path, *, timeout: float) -> dict:
     """Run ``case``; its metrics (``metrics.json``) with the command and wall time, or the failure."""
-    output_dir = out / "runs" / case.name
+    output_dir = out / "runs" / case.label
     shutil.rmtree(output_dir, ignore_errors=True)
     argv = command(case, output_dir)
-    log = out / "logs" / f"{case.name}.log"
+    log = out / "logs" / f"{case.label}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
-    print(f"\n=== {case.name}: {shown(argv)}", flush=True)
+    print(f"\n=== {case.label}: {shown(argv)}", flush=True)
     start = time.perf_counter()
     with log.open("w") as sink:
         try:
@@ -146,14 +162,15 @@ def run_case(case: Case, out: Path, *, timeout: float) -> dict:
     # The recipe's own summary lines (the progress bar and library chatter stay in the log).
     summary = [line for line in text.splitlines() if line.startswith(("[", "compare", "loss-curve", "cudnn_attention.stats"))]
     print("\n".join(summary) or text[-3000:], flush=True)
-    record = {"case": case.name, "command": shown(argv), "launch": case.launch, "gpus": case.gpus, "wall_s": seconds, "rc": rc}
+    record = {"case": case.name, "seed": case.seed, "command": shown(argv), "launch": case.launch, "gpus": case.gpus}
+    record |= {"wall_s": seconds, "rc": rc}
     metrics = output_dir / "metrics.json"
     if rc != 0 or not metrics.exists():
         # The cuDNN frontend's nanobind reports objects alive at interpreter exit; keep the error, not that list.
         lines = [line for line in text.splitlines() if not _EXIT_NOISE.search(line)]
         return {**record, "failed": "\n".join(lines[-60:])}
     if (output_dir / "loss.png").exists():
-        shutil.copy(output_dir / "loss.png", out / f"{case.name}.png")
+        shutil.copy(output_dir / "loss.png", out / f"{case.label}.png")
     return {**record, "metrics": json.loads(metrics.read_text())}
 
 
@@ -169,6 +186,10 @@ def _distances(metrics: dict, name: str) -> tuple[float, float] | None:
     """(max abs, second-half mean abs) difference of ``name``'s per-step losses from eager's, when both ran."""
     maxima, means = metrics.get("loss_max_abs_diff_vs_eager", {}), metrics.get("loss_mean_abs_diff_second_half_vs_eager", {})
     return (maxima[name], means[name]) if name in maxima else None
+
+
+def _label(record: dict) -> str:
+    return run_label(record["case"], record.get("seed"))
 
 
 def _row(*cells, width: int = 0) -> str:
@@ -194,12 +215,12 @@ def _implementation_cells(record: dict) -> list[list]:
     primary = next(iter(runs))
     for name, run in runs.items():
         if "skipped" in run:
-            rows.append([record["case"], name, f"skipped: {run['skipped'][:120]}"])
+            rows.append([_label(record), name, f"skipped: {run['skipped'][:120]}"])
             continue
         speedup = runs[primary]["tokens_per_s"] / run["tokens_per_s"] if run["tokens_per_s"] else None
         distance = _distances(metrics, name)
         distance_text = "reference" if name == "eager" else "-" if distance is None else f"{distance[0]:.3g} / {distance[1]:.3g}"
-        rows.append([record["case"], name, run["steps"], _f(run["tokens_per_s"], ",.0f"), f"{_f(speedup, '.2f')}x", _mfu(run),
+        rows.append([_label(record), name, run["steps"], _f(run["tokens_per_s"], ",.0f"), f"{_f(speedup, '.2f')}x", _mfu(run),
                      _f(run["peak_memory_gib"], ".2f"), distance_text, run["served_by"]])  # fmt: skip
     return rows
 
@@ -208,25 +229,86 @@ def implementation_rows(records: list[dict]) -> list[str]:
     """One Markdown row per (case, implementation): tokens/s, speedup of cudnn, MFU, peak memory, loss distance from eager."""
     columns = ["case", "implementation", "steps", "tokens/s", "cudnn speedup", "MFU", "peak GiB",
                "loss diff from eager: max / second-half mean", "attention served by"]  # fmt: skip
-    return _table(columns, records, _implementation_cells, lambda r: [r["case"], f"failed (rc {r['rc']})", *[""] * 6, f"see logs/{r['case']}.log"])
+    failed = lambda r: [_label(r), f"failed (rc {r['rc']})", *[""] * 6, f"see logs/{_label(r)}.log"]
+    return _table(columns, records, _implementation_cells, failed)
 
 
 def loss_verdicts(records: list[dict]) -> list[str]:
-    """Per case: cudnn's loss-curve distance from eager against the other fused implementations' (both measures)."""
-    lines = []
+    """Per case: cudnn's loss-curve distance from eager against the other fused implementations' (both measures), averaged
+    over the case's seeds when it ran with several.
+
+    One run is a noisy yardstick: training amplifies each kernel's bf16 rounding into a trajectory of its own, and which
+    kernel lands furthest from eager changes from seed to seed. The mean over seeds is what the verdict compares.
+    """
+    by_case: dict[str, list[dict]] = {}
     for record in records:
-        metrics = record.get("metrics") or {}
-        cudnn = _distances(metrics, "cudnn")
-        others = {name: _distances(metrics, name) for name in FUSED if _distances(metrics, name)}
-        if cudnn is None or not others:
+        if record.get("metrics"):
+            by_case.setdefault(record["case"], []).append(record["metrics"])
+    lines = []
+    for case, seeds in by_case.items():
+        per_seed = {name: [_distances(metrics, name) for metrics in seeds] for name in ("cudnn", *FUSED)}
+        per_seed = {name: runs for name, runs in per_seed.items() if all(runs)}  # ran (against eager) for every seed
+        if "cudnn" not in per_seed or len(per_seed) < 2:
             continue
-        within = all(cudnn[i] <= max(d[i] for d in others.values()) for i in (0, 1))
+        mean = {name: tuple(sum(run[i] for run in runs) / len(runs) for i in (0, 1)) for name, runs in per_seed.items()}
+        others = {name: d for name, d in mean.items() if name != "cudnn"}
+        within = all(mean["cudnn"][i] <= max(d[i] for d in others.values()) for i in (0, 1))
         others_text = ", ".join(f"{name} {d[0]:.3g} / {d[1]:.3g}" for name, d in others.items())
+        seeds_text = ""
+        if len(seeds) > 1:
+            listed = "; ".join(f"{name} " + ", ".join(f"{run[1]:.3g}" for run in runs) for name, runs in per_seed.items())
+            # Paired by seed: a kernel that is really further from eager is further in most seeds, not in a mean that one
+            # spike can carry.
+            nearer = "; ".join(
+                f"cudnn at most {name}'s in " + " and ".join(f"{sum(c[i] <= o[i] for c, o in zip(per_seed['cudnn'], runs))}/{len(runs)}" for i in (0, 1))
+                for name, runs in per_seed.items() if name != "cudnn"
+            )  # fmt: skip
+            seeds_text = f" (means over {len(seeds)} seeds; second-half means per seed: {listed}; seeds with {nearer}, max and second half)"
         lines.append(
-            f"- {record['case']}: cudnn {cudnn[0]:.3g} / {cudnn[1]:.3g} vs {others_text}: "
+            f"- {case}: cudnn {mean['cudnn'][0]:.3g} / {mean['cudnn'][1]:.3g} vs {others_text}{seeds_text}: "
             f"{'within' if within else 'OUTSIDE'} what the other fused kernels show"
         )
     return lines
+
+
+def plot_seed_distances(records: list[dict], out: Path) -> list[Path]:
+    """For each case run with several seeds, ``<case>-seeds.png``: each implementation's per-step |loss - eager loss|,
+    averaged over the seeds (thin lines: each seed). What the verdict's means summarize, step by step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    by_case: dict[str, list[dict]] = {}
+    for record in records:
+        if record.get("metrics"):
+            by_case.setdefault(record["case"], []).append(record["metrics"]["runs"])
+    written = []
+    for case, seeds in by_case.items():
+        if len(seeds) < 2 or any("eager" not in runs for runs in seeds):
+            continue
+        figure, axis = plt.subplots(figsize=(8, 4))
+        for index, name in enumerate(name for name in seeds[0] if name != "eager"):
+            curves = [[abs(x - y) for x, y in zip(runs[name]["run"]["losses"], runs["eager"]["run"]["losses"], strict=True)]
+                      for runs in seeds if runs.get(name, {}).get("run")]  # fmt: skip
+            if not curves:
+                continue
+            color = f"C{index}"
+            for curve in curves:
+                axis.plot(range(1, len(curve) + 1), curve, color=color, linewidth=0.4, alpha=0.35)
+            mean = [sum(values) / len(values) for values in zip(*curves, strict=False)]
+            axis.plot(range(1, len(mean) + 1), mean, color=color, linewidth=1.6, label=f"{name} (mean of {len(curves)} seeds)")
+        axis.set_yscale("log")
+        axis.set_xlabel("optimizer step")
+        axis.set_ylabel("|loss - eager loss|")
+        axis.set_title(f"{case}: distance from eager, same seed, weights and batches")
+        axis.legend()
+        figure.tight_layout()
+        path = out / f"{case}-seeds.png"
+        figure.savefig(path, dpi=110)
+        plt.close(figure)
+        written.append(path)
+    return written
 
 
 def scaling_rows(records: list[dict]) -> list[str]:
@@ -244,20 +326,21 @@ def scaling_rows(records: list[dict]) -> list[str]:
         base = single.get(metrics["recipe"])
         per_gpu = run["tokens_per_s_per_device"]
         scaling = per_gpu / base if base and per_gpu and record["gpus"] > 1 else None
-        return [[record["case"], record["launch"], metrics["world_size"], run["run"]["distributed"], _f(run["tokens_per_s"], ",.0f"),
+        return [[_label(record), record["launch"], metrics["world_size"], run["run"]["distributed"], _f(run["tokens_per_s"], ",.0f"),
                  _f(per_gpu, ",.0f"), _f(scaling, ".2f"), _mfu(run), _f(run["peak_memory_gib"], ".2f"), _f(run["final_loss"], ".4f")]]  # fmt: skip
 
-    return _table(columns, records, cells, lambda r: [r["case"], r["launch"], r["gpus"], f"failed (rc {r['rc']})"])
+    return _table(columns, records, cells, lambda r: [_label(r), r["launch"], r["gpus"], f"failed (rc {r['rc']})"])
 
 
 def report(suite: str, records: list[dict], *, header: str) -> str:
     lines = [f"# Recipes, suite `{suite}`", "", header, ""]
-    lines += ["Commands (from the project root):", ""] + [f"- `{r['case']}`: `{r['command']}` ({r['wall_s']:.0f} s)" for r in records] + [""]
+    lines += ["Commands (from the project root):", ""] + [f"- `{_label(r)}`: `{r['command']}` ({r['wall_s']:.0f} s)" for r in records] + [""]
     if suite == "scaling":
         lines += scaling_rows(records)
     else:
         lines += implementation_rows(records)
-        verdicts = loss_verdicts(records)
+        # The speed suite's few steps on one seed are no verdict on the curves: the loss suite's seeds are.
+        verdicts = loss_verdicts(records) if suite == "loss" else []
         if verdicts:
             lines += ["", "Loss-curve distance from eager, max / second-half mean abs difference of per-step losses (same seed, weights "
                       "and batches):", ""]
@@ -291,9 +374,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--quick", action="store_true", help="tiny preset, 3 steps: check the plumbing (CPU)")
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps of every case (default: each case's own)")
     parser.add_argument("--only", nargs="+", default=None, help="run only these case names")
+    parser.add_argument("--seeds", nargs="+", type=int, default=None, help="run each case once per seed (default: the recipes' seed)")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per case")
     args = parser.parse_args(argv)
     selected = [case for case in cases(args.suite, quick=args.quick, steps=args.steps) if args.only is None or case.name in args.only]
+    selected = [dataclasses.replace(case, seed=seed) for case in selected for seed in args.seeds] if args.seeds else selected
     import torch
 
     if any(case.gpus > max(1, torch.cuda.device_count()) for case in selected):  # one process runs on a CPU too (the fallback)
@@ -307,6 +392,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         text = report(args.suite, records, header=header)
         (args.out / f"recipes_{args.suite}.md").write_text(text)
         (args.out / f"recipes_{args.suite}.json").write_text(json.dumps(records, indent=1, default=str) + "\n")
+    if args.suite == "loss":
+        plot_seed_distances(records, out)
     print("\n" + text)
     return records
 

@@ -1,16 +1,13 @@
 """Whole-model gradient comparison shared by the GPU tests: cuDNN in bf16 against eager in fp32, within eager bf16's own error."""
 
-import torch
+import sys
+from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-def relative_error(got: torch.Tensor, fp32_ref: torch.Tensor) -> float:
-    """||got - ref|| / ||ref|| over the whole tensor (``||got||`` when the reference is zero)."""
-    scale = fp32_ref.float().norm().item()
-    return (got.float() - fp32_ref.float()).norm().item() / scale if scale > 0 else got.float().norm().item()
+from gradient_accuracy import parameter_gradients, recipe_batches, recipe_gradients, relative_error  # noqa: E402
 
-
-def parameter_gradients(model) -> dict[str, torch.Tensor]:
-    return {name: p.grad.detach().float() for name, p in model.named_parameters() if p.grad is not None}
+__all__ = ["gradient_mismatches", "parameter_gradients", "recipe_batches", "recipe_gradients", "relative_error"]
 
 
 def gradient_mismatches(cudnn_bf16: dict, eager_fp32: dict, eager_bf16: dict) -> list[str]:

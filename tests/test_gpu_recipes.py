@@ -12,7 +12,7 @@ pytest.importorskip("matplotlib")
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 sys.path.insert(0, str(RECIPES))
 
-from gradients import gradient_mismatches, parameter_gradients  # noqa: E402
+from gradients import gradient_mismatches, recipe_batches, recipe_gradients  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 STEPS = 20
@@ -65,35 +65,6 @@ def test_loss_curve_against_eager_within_what_another_fused_kernel_shows(recipe,
     assert abs(first["cudnn"] - first["eager"]) <= 2 * abs(first[fused] - first["eager"]) + 2e-3 * abs(first["eager"]), first
 
 
-def recipe_batch_gradients(family: str, *, size: str, tokens: int, device: str) -> dict:
-    """Parameter gradients of one packed recipe batch (the recipe's model, corpus, tokenizer and packing) for cuDNN in bf16
-    and eager in fp32 and bf16. gpt-oss routes to every expert here: top-2 routing flips on bf16 near-ties, a
-    discontinuity that has nothing to do with attention."""
-    import dataclasses
-
-    import torch
-    from common import STATS_KEY, PackedCollator, build_dataset, build_model, data_budget, load_tokenizer, model_shape
-
-    tokenizer = load_tokenizer()
-    budget = data_budget(size=size)
-    dataset = build_dataset(tokenizer=tokenizer, dataset=None, text_field="text", tokens_per_step=tokens, min_doc_tokens=budget.min_doc_tokens,
-                            max_doc_tokens=budget.max_doc_tokens, seed=0)  # fmt: skip
-    batch = PackedCollator()([dataset[0]])
-    batch.pop(STATS_KEY)
-    batch = {key: value.to(device) if isinstance(value, torch.Tensor) else value for key, value in batch.items()}
-    shape = model_shape(family=family, size=size)
-    if shape.experts:
-        shape = dataclasses.replace(shape, experts_per_token=shape.experts)
-    grads = {}
-    for implementation, dtype in (("cudnn", torch.bfloat16), ("eager", torch.float32), ("eager", torch.bfloat16)):
-        model = build_model(attn_implementation=implementation, family=family, shape=shape, vocab_size=tokenizer.vocab_size,
-                            max_positions=max(4096, budget.max_doc_tokens), tokenizer=tokenizer, device=device, dtype=dtype, seed=0)  # fmt: skip
-        model.train()(**batch).loss.backward()
-        grads[implementation, dtype] = parameter_gradients(model)
-        del model
-    return grads
-
-
 @pytest.mark.parametrize("family", ["mistral", "gpt_oss"])
 def test_one_recipe_batch_gives_eager_gradients_for_every_parameter(family):
     # The tiny-model gradient test (test_gpu_hf.py) at the recipes' scale: the small preset (Mistral D 128, window 1024;
@@ -101,6 +72,8 @@ def test_one_recipe_batch_gives_eager_gradients_for_every_parameter(family):
     # bounds the loss curves come from. eager keeps packed documents apart through position_ids.
     import torch
 
-    grads = recipe_batch_gradients(family, size="small", tokens=int(COMPARE_TOKENS), device="cuda")
+    (batch,) = recipe_batches(size="small", tokens=int(COMPARE_TOKENS), count=1, device="cuda")
+    implementations = [("cudnn", torch.bfloat16), ("eager", torch.float32), ("eager", torch.bfloat16)]
+    grads = recipe_gradients(family=family, size="small", batch=batch, implementations=implementations, device="cuda")
     mismatches = gradient_mismatches(grads["cudnn", torch.bfloat16], grads["eager", torch.float32], grads["eager", torch.bfloat16])
     assert not mismatches, "\n".join(mismatches)

@@ -190,6 +190,47 @@ def test_recipe_benchmark_runs_each_case_as_a_user_command_and_tabulates_it(tmp_
         assert "small" in " ".join(case.args)
 
 
+def test_recipe_benchmark_seeds_reach_the_recipe_and_the_verdict_averages_over_them(tmp_path):
+    sys.path.insert(0, str(RECIPES.parent / "benchmarks"))
+    import dataclasses
+
+    import recipe_training as benchmark
+
+    by_name = {case.name: case for case in benchmark.cases("loss")}
+    trainer = benchmark.command(dataclasses.replace(by_name["sinks"], seed=2), tmp_path)
+    lightning = benchmark.command(dataclasses.replace(by_name["lightning"], seed=2), tmp_path)
+    assert trainer[-2:] == ["--seed", "2"] and lightning[-2:] == ["--model.seed=2", "--seed_everything=2"], (trainer, lightning)
+    assert "--seed" not in benchmark.command(by_name["sinks"], tmp_path)
+
+    def record(seed, cudnn, sdpa):
+        distances = {"cudnn": cudnn, "sdpa": sdpa}
+        metrics = {"loss_max_abs_diff_vs_eager": {k: v[0] for k, v in distances.items()},
+                   "loss_mean_abs_diff_second_half_vs_eager": {k: v[1] for k, v in distances.items()}}  # fmt: skip
+        return {"case": "sliding_window", "seed": seed, "metrics": metrics}
+
+    # cudnn is further from eager than sdpa for seed 0 and nearer for seed 1: the means decide.
+    seeds = [record(0, (0.06, 0.021), (0.05, 0.012)), record(1, (0.03, 0.010), (0.08, 0.030))]
+    (line,) = benchmark.loss_verdicts(seeds)
+    assert line.startswith("- sliding_window: cudnn 0.045 / 0.0155 vs sdpa 0.065 / 0.021 (means over 2 seeds;"), line
+    assert "cudnn 0.021, 0.01; sdpa 0.012, 0.03; seeds with cudnn at most sdpa's in 1/2 and 1/2, max and second half)" in line, line
+    assert line.endswith(": within what the other fused kernels show"), line
+    (line,) = benchmark.loss_verdicts(seeds[:1])
+    assert line == "- sliding_window: cudnn 0.06 / 0.021 vs sdpa 0.05 / 0.012: OUTSIDE what the other fused kernels show", line
+
+
+def test_gradient_accuracy_benchmark_compares_each_implementation_with_fp32(tmp_path):
+    sys.path.insert(0, str(RECIPES.parent / "benchmarks"))
+    import gradient_accuracy
+
+    (result,) = gradient_accuracy.main(["--quick", "--families", "mistral", "--out", str(tmp_path)])
+    found = result["implementations"]
+    assert list(found) == ["cudnn", "sdpa", "eager"] and "no backward on CPU" in result["skipped"]["flex_attention"]
+    # On a CPU "cudnn" is the exact fallback: bf16 rounding of its own, about eager bf16's size on every parameter.
+    assert 0 < found["cudnn"]["median_error"] < 0.05 and found["cudnn"]["max_ratio_to_eager_bf16"] < 2, found["cudnn"]
+    table = (tmp_path / "gradient_accuracy.md").read_text()
+    assert "| mistral | 1 x 512 | cudnn |" in table and "fallback {'cpu tensors': 2}" in table, table
+
+
 def test_served_by_names_the_path_and_the_graph_build_time():
     from common import served_by
 
