@@ -80,8 +80,12 @@ def _resolve(q, k, v, *, cu_seqlens_q, cu_seqlens_kv, max_q, max_kv, is_causal, 
 # ----------------------------------------------------------------------------------------------
 
 
-def _dense_resolve(query, key, value, *, is_causal, scale, needs_grad):
-    """:func:`_resolve` for a dense SDPA call: F.scaled_dot_product_attention's causal mask is top-left aligned."""
+def _dense_resolve(query, key, value, attn_bias, dropout_p, *, is_causal, scale, needs_grad, debug_mask=False, cum_seq=None):
+    """``(q, k, v, scale, mask, reason)`` for a dense SDPA call (forward or backward): :func:`_dense_gap` first, then
+    :func:`_resolve`; F.scaled_dot_product_attention's causal mask is top-left aligned."""
+    reason = _dense_gap(attn_bias, dropout_p, debug_mask=debug_mask, cum_seq=cum_seq)
+    if reason is not None:
+        return None, None, None, None, None, reason
     return _resolve(
         query, key, value, cu_seqlens_q=None, cu_seqlens_kv=None, max_q=query.size(-2), max_kv=key.size(-2), is_causal=is_causal,
         bottom_right=False, window_size=_NO_WINDOW, scale=scale, needs_grad=needs_grad,
@@ -95,10 +99,11 @@ def sdpa_forward(query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0
     philox_offset, debug_attn_mask)``; the undefined entries are ``None``.
     """
     S_q, S_kv = query.size(-2), key.size(-2)
-    reason = _dense_gap(attn_bias, dropout_p, debug_mask=return_debug_mask)
-    if reason is None:
-        # F.scaled_dot_product_attention asks for the LSE exactly when a backward will follow.
-        q, k, v, scale_f, mask, reason = _dense_resolve(query, key, value, is_causal=is_causal, scale=scale, needs_grad=compute_log_sumexp)
+    # F.scaled_dot_product_attention asks for the LSE exactly when a backward will follow.
+    q, k, v, scale_f, mask, reason = _dense_resolve(
+        query, key, value, attn_bias, dropout_p, is_causal=is_causal, scale=scale, needs_grad=compute_log_sumexp,
+        debug_mask=return_debug_mask,
+    )  # fmt: skip
     if reason is not None:
         count_provider("torch_forward", reason)
         return torch.ops.aten._cudnn_attention_forward(
@@ -126,9 +131,9 @@ def sdpa_backward(grad_out, query, key, value, out, logsumexp, philox_seed, phil
                   dropout_p, is_causal, *, scale=None):  # fmt: skip
     """``aten::_scaled_dot_product_cudnn_attention_backward`` on CUDA: ``(dq, dk, dv)``."""
     S_q, S_kv = query.size(-2), key.size(-2)
-    reason = _dense_gap(attn_bias, dropout_p, cum_seq=cum_seq_q)
-    if reason is None:
-        q, k, v, scale_f, mask, reason = _dense_resolve(query, key, value, is_causal=is_causal, scale=scale, needs_grad=True)
+    q, k, v, scale_f, mask, reason = _dense_resolve(
+        query, key, value, attn_bias, dropout_p, is_causal=is_causal, scale=scale, needs_grad=True, cum_seq=cum_seq_q
+    )
     if reason is not None:
         count_provider("torch_backward", reason)
         return torch.ops.aten._cudnn_attention_backward(

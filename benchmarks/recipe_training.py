@@ -233,6 +233,15 @@ def implementation_rows(records: list[dict]) -> list[str]:
     return _table(columns, records, _implementation_cells, failed)
 
 
+def _metrics_by_case(records: list[dict]) -> dict[str, list[dict]]:
+    """The metrics of each case's finished runs (one per seed), in the order they ran."""
+    by_case: dict[str, list[dict]] = {}
+    for record in records:
+        if record.get("metrics"):
+            by_case.setdefault(record["case"], []).append(record["metrics"])
+    return by_case
+
+
 def loss_verdicts(records: list[dict]) -> list[str]:
     """Per case: cudnn's loss-curve distance from eager against the other fused implementations' (both measures), averaged
     over the case's seeds when it ran with several.
@@ -240,12 +249,8 @@ def loss_verdicts(records: list[dict]) -> list[str]:
     One run is a noisy yardstick: training amplifies each kernel's bf16 rounding into a trajectory of its own, and which
     kernel lands furthest from eager changes from seed to seed. The mean over seeds is what the verdict compares.
     """
-    by_case: dict[str, list[dict]] = {}
-    for record in records:
-        if record.get("metrics"):
-            by_case.setdefault(record["case"], []).append(record["metrics"])
     lines = []
-    for case, seeds in by_case.items():
+    for case, seeds in _metrics_by_case(records).items():
         per_seed = {name: [_distances(metrics, name) for metrics in seeds] for name in ("cudnn", *FUSED)}
         per_seed = {name: runs for name, runs in per_seed.items() if all(runs)}  # ran (against eager) for every seed
         if "cudnn" not in per_seed or len(per_seed) < 2:
@@ -279,12 +284,9 @@ def plot_seed_distances(records: list[dict], out: Path) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    by_case: dict[str, list[dict]] = {}
-    for record in records:
-        if record.get("metrics"):
-            by_case.setdefault(record["case"], []).append(record["metrics"]["runs"])
     written = []
-    for case, seeds in by_case.items():
+    for case, metrics in _metrics_by_case(records).items():
+        seeds = [seed["runs"] for seed in metrics]
         if len(seeds) < 2 or any("eager" not in runs for runs in seeds):
             continue
         figure, axis = plt.subplots(figsize=(8, 4))
