@@ -187,4 +187,4 @@ def note_fallback(direction: str, reason: str) -> None:
         first = reason not in _warned
         _warned.add(reason)
     if first:
-        warnings.warn(f"cudnn_attention: running the exact PyTorch path, not cuDNN: {reason}", CudnnAttentionFallbackWarning, stacklevel=4)
+        warnings.warn(f"cudnn_attention: running the exact PyTorch path, not cuDNN: {reason}", CudnnAttentionFallbackWarning, stacklevel=3)

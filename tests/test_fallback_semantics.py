@@ -1,5 +1,7 @@
 """The exact PyTorch path against the naive per-element attention: outputs and every gradient."""
 
+import sys
+
 import pytest
 import torch
 
@@ -153,3 +155,15 @@ def test_transposed_views_keep_layout():
     assert out.shape == (2, 4, 5, 8)
     expected = naive_dense(*(q_BSHD.transpose(1, 2),) * 3, scale=8**-0.5, causal=True)
     assert_close_rel(out, expected, "out")
+
+
+@pytest.mark.parametrize("entry", ["attention", "varlen_attention"])
+def test_fallback_warning_points_at_the_callers_line(entry):
+    # The warning names the line that called the library, so a user can find which call fell back.
+    q = torch.randn(8, 2, 16) if entry == "varlen_attention" else torch.randn(1, 2, 8, 16)
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    args = (q, q, q, cu, cu, 8, 8) if entry == "varlen_attention" else (q, q, q)
+    with pytest.warns(cudnn_attention.CudnnAttentionFallbackWarning) as record:
+        line = sys._getframe().f_lineno + 1
+        getattr(cudnn_attention, entry)(*args, causal=True)
+    assert [(w.filename, w.lineno) for w in record] == [(__file__, line)]
