@@ -20,6 +20,7 @@ __all__ = [
     "CudnnAttentionFallbackWarning",
     "StrictModeError",
     "count_provider",
+    "env_flag",
     "fallback_output",
     "is_strict",
     "note_fallback",
@@ -41,7 +42,7 @@ class StrictModeError(RuntimeError):
 _lock = threading.Lock()
 # ("cudnn", direction), ("fallback", direction, reason), ("provider", path) or ("provider", path, reason)
 _served: Counter = Counter()
-_build_seconds: Counter = Counter()  # direction -> seconds spent building cuDNN graphs
+_build_seconds = 0.0  # spent building cuDNN graphs, both directions
 _warned: set[str] = set()
 _strict_global: bool | None = None
 _strict_scope: contextvars.ContextVar[bool | None] = contextvars.ContextVar("cudnn_attention_strict", default=None)
@@ -55,9 +56,10 @@ def count_cudnn(direction: str) -> None:
 def note_graph_build(direction: str, seconds: float) -> None:
     """Record one cuDNN graph build (or rejection) and its wall time: builds cost tens to hundreds of
     milliseconds each, so a run that keeps meeting new shapes pays for them step after step."""
+    global _build_seconds
     with _lock:
         _served["graph_builds", direction] += 1
-        _build_seconds[direction] += seconds
+        _build_seconds += seconds
 
 
 def count_provider(path: str, reason: str | None = None) -> None:
@@ -71,12 +73,18 @@ def count_provider(path: str, reason: str | None = None) -> None:
     if reason is None:
         _served["provider", path] += 1  # hot path: no lock, as in count_cudnn
         return
+    message = f"cudnn_attention provider: handing this call to torch's own kernel: {reason}"
+    _count_and_warn_once(("provider", path, reason), f"provider: {reason}", message, stacklevel=3)
+
+
+def _count_and_warn_once(key: tuple, warned_as: str, message: str, *, stacklevel: int) -> None:
+    """Count ``key``; warn with ``message`` the first time ``warned_as`` comes up (``stacklevel`` as seen from the caller)."""
     with _lock:
-        _served["provider", path, reason] += 1
-        first = f"provider: {reason}" not in _warned
-        _warned.add(f"provider: {reason}")
+        _served[key] += 1
+        first = warned_as not in _warned
+        _warned.add(warned_as)
     if first:
-        warnings.warn(f"cudnn_attention provider: handing this call to torch's own kernel: {reason}", CudnnAttentionFallbackWarning, stacklevel=3)
+        warnings.warn(message, CudnnAttentionFallbackWarning, stacklevel=stacklevel + 1)
 
 
 def _provider_stats() -> dict:
@@ -96,9 +104,9 @@ def stats() -> dict:
     and are not counted.
     """
     with _lock:
-        snapshot, build_seconds = dict(_served), dict(_build_seconds)
+        snapshot, build_seconds = dict(_served), _build_seconds
     result: dict = {"cudnn_forward": 0, "cudnn_backward": 0, "fallback_forward": {}, "fallback_backward": {}, "provider": _provider_stats(),
-                    "graph_builds": {"forward": 0, "backward": 0, "seconds": sum(build_seconds.values(), 0.0)}}  # fmt: skip
+                    "graph_builds": {"forward": 0, "backward": 0, "seconds": build_seconds}}  # fmt: skip
     for key, count in snapshot.items():
         if key[0] == "cudnn":
             result[f"cudnn_{key[1]}"] += count
@@ -116,9 +124,10 @@ def stats() -> dict:
 
 def reset_stats() -> None:
     """Zero every counter and forget which fallback reasons already warned."""
+    global _build_seconds
     with _lock:
         _served.clear()
-        _build_seconds.clear()
+        _build_seconds = 0.0
         _warned.clear()
 
 
@@ -129,7 +138,12 @@ def is_strict() -> bool:
         return scoped
     if _strict_global is not None:
         return _strict_global
-    return os.environ.get("CUDNN_ATTENTION_STRICT", "0").strip().lower() in ("1", "true", "yes", "on")
+    return env_flag("CUDNN_ATTENTION_STRICT")
+
+
+def env_flag(name: str) -> bool:
+    """Whether environment variable ``name`` is set to ``1``, ``true``, ``yes`` or ``on`` (any case)."""
+    return os.environ.get(name, "0").strip().lower() in ("1", "true", "yes", "on")
 
 
 def set_strict(enabled: bool | None) -> bool | None:
@@ -182,9 +196,5 @@ def note_fallback(direction: str, reason: str) -> None:
     """Record one call served by the fallback; raise in strict mode, warn the first time per reason."""
     if direction == "forward" and is_strict():
         raise StrictModeError(f"cudnn_attention strict mode: cuDNN cannot serve this call ({reason})")
-    with _lock:
-        _served["fallback", direction, reason] += 1
-        first = reason not in _warned
-        _warned.add(reason)
-    if first:
-        warnings.warn(f"cudnn_attention: running the exact PyTorch path, not cuDNN: {reason}", CudnnAttentionFallbackWarning, stacklevel=3)
+    message = f"cudnn_attention: running the exact PyTorch path, not cuDNN: {reason}"
+    _count_and_warn_once(("fallback", direction, reason), reason, message, stacklevel=3)

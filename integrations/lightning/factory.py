@@ -13,7 +13,7 @@ environment loads it too.
 
 from __future__ import annotations
 
-import os
+from ...policy import env_flag
 
 __all__ = ["ENV_VAR", "callbacks", "pytorch_lightning_callbacks", "requested"]
 
@@ -22,7 +22,7 @@ ENV_VAR = "CUDNN_ATTENTION"
 
 def requested() -> bool:
     """Whether ``CUDNN_ATTENTION`` asks for the callback (``1``, ``true``, ``yes`` or ``on``)."""
-    return os.environ.get(ENV_VAR, "0").strip().lower() in ("1", "true", "yes", "on")
+    return env_flag(ENV_VAR)
 
 
 def callbacks() -> list:
