@@ -21,7 +21,7 @@ import torch
 from ...api import attention, varlen_attention
 from ...policy import fallback_output, note_fallback
 from .eager_fallback import eager_equivalent, keep_mask_4d
-from .mask_function import query_positions
+from .mask_function import pad_keys, query_positions
 
 __all__ = ["cudnn_attention_forward"]
 
@@ -106,8 +106,7 @@ def _padded(query, key, value, keep_BK, *, window, scale, causal, sinks):
     diagonal is bottom-right aligned per row."""
     B, H, q_len, _ = query.shape
     kv_len = key.shape[2]
-    if keep_BK.shape[-1] < kv_len:  # a static cache's unwritten tail
-        keep_BK = torch.nn.functional.pad(keep_BK, (0, kv_len - keep_BK.shape[-1]), value=False)
+    keep_BK = pad_keys(keep_BK, kv_len)
     keep_BQ = keep_BK.index_select(1, query_positions(keep_BK, q_len))
     start_kv, len_kv = _first_and_count(keep_BK)
     start_q, len_q = _first_and_count(keep_BQ)
@@ -176,11 +175,13 @@ def _eager(module, query, key, value, attention_mask, reason, *, is_causal, slid
         keep_4d = attention_mask
     else:
         doc_ids_T = None
-        cu = kwargs.get("cu_seq_lens_k")
-        packing = _packing_from_position_ids(kwargs.get("position_ids"), B, q_len, kv_len) if cu is None else ((cu, cu), None)
-        if packing is not None and attention_mask is None:
-            cu = packing[0][1]
-            doc_ids_T = torch.searchsorted(cu[1:].long(), torch.arange(kv_len, device=query.device), right=True)
+        if attention_mask is None:  # packed documents are kept apart by their ids (a 2D mask means no packing)
+            cu = kwargs.get("cu_seq_lens_k")
+            if cu is None:
+                packing = _packing_from_position_ids(kwargs.get("position_ids"), B, q_len, kv_len)
+                cu = None if packing is None else packing[0][1]
+            if cu is not None:
+                doc_ids_T = torch.searchsorted(cu[1:].long(), torch.arange(kv_len, device=query.device), right=True)
         keep_4d = keep_mask_4d(batch=B, q_len=q_len, kv_len=kv_len, device=query.device, causal=is_causal, sliding_window=sliding_window,
                                keep_BK=attention_mask, doc_ids_T=doc_ids_T)  # fmt: skip
     if softcap is not None:

@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from .mask_function import query_positions
+from .mask_function import pad_keys, query_positions
 
 __all__ = ["eager_equivalent", "keep_mask_4d"]
 
@@ -31,9 +31,8 @@ def keep_mask_4d(
 ) -> torch.Tensor:
     """Bool (B, 1, q_len, kv_len). Queries sit at the last ``q_len`` key positions, or, with a
     keep-mask, at ``query_positions(keep_BK, q_len)`` (a static cache's written prefix)."""
-    if keep_BK is not None and keep_BK.shape[-1] < kv_len:
-        keep_BK = torch.nn.functional.pad(keep_BK, (0, kv_len - keep_BK.shape[-1]), value=False)
     if keep_BK is not None:
+        keep_BK = pad_keys(keep_BK, kv_len)
         i_Q1 = query_positions(keep_BK.bool(), q_len).view(q_len, 1)
     else:
         i_Q1 = torch.arange(kv_len - q_len, kv_len, device=device).view(q_len, 1)

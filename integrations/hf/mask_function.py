@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["cudnn_attention_mask", "query_positions"]
+__all__ = ["cudnn_attention_mask", "pad_keys", "query_positions"]
 
 
 def cudnn_attention_mask(
@@ -45,10 +45,15 @@ def cudnn_attention_mask(
         written_BK = (torch.arange(kv_length, device=device) < written).expand(batch_size, kv_length)
         if keep_BK is None:
             return written_BK
-        if keep_BK.shape[-1] < kv_length:
-            keep_BK = torch.nn.functional.pad(keep_BK, (0, kv_length - keep_BK.shape[-1]), value=False)
-        return keep_BK & written_BK
+        return pad_keys(keep_BK, kv_length) & written_BK
     return keep_BK
+
+
+def pad_keys(keep_BK: torch.Tensor, kv_len: int) -> torch.Tensor:
+    """``keep_BK`` widened to ``kv_len`` keys: a static cache's unwritten tail, past the 2D mask, is not kept."""
+    if keep_BK.shape[-1] >= kv_len:
+        return keep_BK
+    return torch.nn.functional.pad(keep_BK, (0, kv_len - keep_BK.shape[-1]), value=False)
 
 
 def query_positions(keep_BK, q_len: int) -> torch.Tensor:

@@ -24,7 +24,6 @@ __all__ = ["AttentionSwitch", "CudnnAttentionHooks", "fabric_attention"]
 
 _log = logging.getLogger(__name__)
 
-HF_IMPLEMENTATION = "cudnn"
 METRIC_PREFIX = "cudnn_attention/"
 
 # model -> the implementation it had before a switch moved it; shared so that a second switch
@@ -66,7 +65,7 @@ class AttentionSwitch:
             return 0  # no transformers imported: no PreTrainedModel can exist
         from transformers import PreTrainedModel
 
-        from cudnn_attention.integrations.hf import register
+        from cudnn_attention.integrations.hf import ATTN_IMPLEMENTATION, register
 
         register()  # idempotent: "cudnn" in transformers' AttentionInterface and AttentionMaskInterface
         for model in _outermost(module, PreTrainedModel):
@@ -77,7 +76,7 @@ class AttentionSwitch:
                 continue  # another switch holds it and will give it back
             # Re-applied at every stage start: a model built in configure_model, or one a user
             # moved in between, runs "cudnn" again for the next loop.
-            model.set_attn_implementation(HF_IMPLEMENTATION)
+            model.set_attn_implementation(ATTN_IMPLEMENTATION)
         return len(self._models)
 
     def deactivate(self) -> None:
