@@ -183,3 +183,19 @@ def test_autocast_float32_query_is_cast_like_flash():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert all(t.dtype == torch.bfloat16 for t in _to_compute_dtype(q32, q32, q32))
     assert all(t.dtype == torch.float32 for t in _to_compute_dtype(q32, q32, q32))
+
+
+def test_eager_fallback_counts_the_backward_when_only_the_sinks_learn():
+    # gpt-oss's sinks are a parameter of their own: training only them still runs the fallback's backward.
+    model = build("gpt_oss", "cudnn")
+    model.config.attention_dropout = 0.1  # what cuDNN here cannot express: transformers' eager attention serves it
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = 0.1
+    for name, parameter in model.named_parameters():
+        parameter.requires_grad_(name.endswith("sinks"))
+    ids = torch.randint(3, VOCAB, (1, 12), generator=torch.Generator().manual_seed(0))
+    cudnn_attention.reset_stats()
+    model.train()(ids, labels=ids).loss.backward()
+    reason = "transformers: attention dropout in training"
+    assert cudnn_attention.stats()["fallback_backward"] == {reason: 2}, cudnn_attention.stats()
+    assert all(layer.self_attn.sinks.grad is not None for layer in model.model.layers)

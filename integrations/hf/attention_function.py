@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from ...api import attention, varlen_attention
+from ...api import _needs_grad, attention, varlen_attention
 from ...policy import fallback_output, note_fallback
 from .eager_fallback import eager_equivalent, keep_mask_4d
 from .mask_function import pad_keys, query_positions
@@ -186,6 +186,6 @@ def _eager(module, query, key, value, attention_mask, reason, *, is_causal, slid
                                keep_BK=attention_mask, doc_ids_T=doc_ids_T)  # fmt: skip
     if softcap is not None:
         kwargs["softcap"] = softcap
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+    needs_grad = _needs_grad(query, key, value, kwargs.get("s_aux"))
     out, weights = eager_equivalent(module, query, key, value, keep_4d, scaling=scaling, dropout=dropout, **kwargs)
     return fallback_output(out, f"transformers: {reason}", needs_grad=needs_grad), weights
