@@ -227,16 +227,12 @@ def main(argv: list[str] | None = None) -> dict:
     first = _cli(argv)
     compare = first.config.compare
     primary, references = first.model.hparams.attn_implementation, [compare] if isinstance(compare, str) else list(compare)
-    clis = {primary: first}
 
     def run_once(implementation: str) -> RunResult:
-        cli = clis.get(implementation) or _cli([*argv, f"--model.attn_implementation={implementation}"])
-        cudnn_attention.reset_stats()
-        if torch.cuda.is_available():
-            torch.cuda.reset_peak_memory_stats()
+        # run_with_compare runs each implementation once, the primary first: the CLI already parsed serves it.
+        cli = first if implementation == primary else _cli([*argv, f"--model.attn_implementation={implementation}"])
         cli.trainer.fit(cli.model)
         report = next(c for c in cli.trainer.callbacks if isinstance(c, RecipeReport))
-        clis[implementation] = cli
         return report.result
 
     device = "cuda" if first.trainer.strategy.root_device.type == "cuda" else "cpu"

@@ -66,6 +66,10 @@ def test_compare_eager_on_cpu_matches_the_exact_fallback(recipe, tmp_path):
     assert comparison["loss_max_rel_diff"] < 1e-4, comparison
     assert comparison["speedup_tokens_per_s"] > 0
     assert set(comparison["peak_memory_gib"]) == {"cudnn", "eager"}
+    # Each run's counters start at zero: eager's run never calls cudnn_attention, whatever the cudnn run before it did.
+    eager_stats = payload["runs"]["eager"]["run"]["stats"]
+    assert payload["runs"]["cudnn"]["run"]["stats"]["fallback_forward"], payload["runs"]["cudnn"]["run"]["stats"]
+    assert not eager_stats["fallback_forward"] and not eager_stats["fallback_backward"] and not eager_stats["cudnn_forward"], eager_stats
 
 
 @pytest.mark.parametrize("recipe", ["train_sliding_window", "train_lightning"])

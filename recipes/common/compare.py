@@ -2,7 +2,8 @@
 
 An implementation that cannot run here is recorded as skipped with the reason, never silently
 dropped; :func:`reporting.comparison` turns two results into the loss-curve difference, the
-speedup and the peak memory of each.
+speedup and the peak memory of each. Every run starts from zeroed ``cudnn_attention`` counters and
+peak-memory statistics, and what it allocated is freed before the next.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import gc
 from collections.abc import Callable, Sequence
 
+import cudnn_attention
 import torch
 
 from .model import UnsupportedImplementation
@@ -30,7 +32,7 @@ def run_with_compare(
     run_once: Callable[[str], RunResult], *, primary: str, references: Sequence[str], device: str
 ) -> dict[str, RunResult]:
     """``{primary: result, reference: result, ...}`` in that order; ``run_once(implementation)`` trains once and returns its result."""
-    results = {primary: run_once(primary)}
+    results = {primary: _fresh_run(run_once, primary)}
     for reference in dict.fromkeys(references):  # each once, in the order given
         if reference != primary:
             results[reference] = _run_reference(run_once, reference, device=device)
@@ -41,14 +43,27 @@ def _run_reference(run_once: Callable[[str], RunResult], reference: str, *, devi
     reason = skip_reason(reference, device=device)
     if reason is None:
         try:
-            return run_once(reference)
+            return _fresh_run(run_once, reference)
         except UnsupportedImplementation as error:
             reason = str(error)
         except torch.OutOfMemoryError as error:
             # eager materializes every document's full score matrix: expected at long contexts.
             reason = f"out of memory ({str(error).splitlines()[0]})"
     print(f"compare: {reference} skipped: {reason}")
+    _free_memory()  # what the failed run allocated must not count against the next one
+    return RunResult(attn_implementation=reference, skipped=reason)
+
+
+def _fresh_run(run_once: Callable[[str], RunResult], implementation: str) -> RunResult:
+    cudnn_attention.reset_stats()
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    result = run_once(implementation)
+    _free_memory()  # the next run starts from the same free memory
+    return result
+
+
+def _free_memory() -> None:
     gc.collect()
     if torch.cuda.is_available():
-        torch.cuda.empty_cache()  # what the failed run allocated must not count against the next one
-    return RunResult(attn_implementation=reference, skipped=reason)
+        torch.cuda.empty_cache()

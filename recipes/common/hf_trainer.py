@@ -8,7 +8,6 @@ writes files.
 from __future__ import annotations
 
 import contextlib
-import gc
 import os
 import time
 from pathlib import Path
@@ -104,11 +103,6 @@ def train_once(config: RecipeConfig, implementation: str, *, dataset, tokenizer,
 
     PackedTrainer, StepClock = _trainer_classes()
     cuda = str(config.device).startswith("cuda")
-    cudnn_attention.reset_stats()
-    if cuda:
-        if torch.device(config.device).index is not None:
-            torch.cuda.set_device(torch.device(config.device))  # memory figures and the device name below refer to it
-        torch.cuda.reset_peak_memory_stats()
     shape = None if config.checkpoint else model_shape(family=config.model, size=config.size)
     model = build_model(
         attn_implementation=implementation, family=config.model, shape=shape, vocab_size=tokenizer.vocab_size,
@@ -137,10 +131,6 @@ def train_once(config: RecipeConfig, implementation: str, *, dataset, tokenizer,
         peak_flops=peak_flops,
         peak_memory_bytes=torch.cuda.max_memory_allocated() if cuda else None, stats=cudnn_attention.stats(),
     )  # fmt: skip
-    del trainer, model
-    gc.collect()
-    if cuda:
-        torch.cuda.empty_cache()  # the next comparison run starts from the same free memory
     return result
 
 
@@ -154,6 +144,8 @@ def _distributed(trainer) -> str:
 def run(config: RecipeConfig, *, recipe: str) -> dict:
     """Train (and compare), then on rank zero print the summary and write ``metrics.json`` and ``loss.png``; returns the metrics."""
     config = config.resolved()
+    if str(config.device).startswith("cuda") and torch.device(config.device).index is not None:
+        torch.cuda.set_device(torch.device(config.device))  # memory figures and the device name refer to it
     output_dir = Path(config.output_dir or Path("runs") / recipe)
     tokenizer = load_tokenizer(tokenizer=config.tokenizer, checkpoint=config.checkpoint)
     dataset = build_dataset(
