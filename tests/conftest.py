@@ -17,3 +17,19 @@ def _fresh_counters():
 
     cudnn_attention.reset_stats()
     yield
+
+
+@pytest.fixture(autouse=True)
+def _nothing_left_on():
+    """No test may leave the provider installed or strict mode on; cleaned up first, so one failure does not cascade."""
+    yield
+    import cudnn_attention
+    from cudnn_attention import provider
+
+    leaks = [
+        what for what, leaked in (("the provider", provider.current() is not None), ("strict mode", cudnn_attention.is_strict())) if leaked
+    ]
+    if provider.current() is not None:
+        provider.current().remove()
+    cudnn_attention.set_strict(None)
+    assert not leaks, f"left on after the test: {', '.join(leaks)}"

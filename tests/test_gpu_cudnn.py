@@ -12,21 +12,10 @@ import torch
 import cudnn_attention
 from cudnn_attention.masking import make_mask_spec
 from cudnn_attention.reference import dense_reference, varlen_reference
+from tolerances import assert_within_lowp_noise
 
 pytestmark = pytest.mark.gpu
 DEVICE = "cuda"
-
-
-def _errors(got, ref, lowp):
-    err = (got.float() - ref.float()).abs().max().item()
-    base = (lowp.float() - ref.float()).abs().max().item()
-    return err, base, ref.float().abs().max().item()
-
-
-def assert_within_lowp_noise(name, got, ref, lowp):
-    err, base, magnitude = _errors(got, ref, lowp)
-    bound = 2 * base + 1e-3 * magnitude
-    assert err <= bound, f"{name}: cuDNN error {err:.3g} > bound {bound:.3g} (torch low-precision error {base:.3g}, |ref| {magnitude:.3g})"
 
 
 def _poison_allocator(*like):

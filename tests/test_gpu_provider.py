@@ -13,26 +13,11 @@ import cudnn_attention
 from cudnn_attention import provider
 from cudnn_attention.masking import MaskSpec
 from cudnn_attention.reference import dense_reference, varlen_reference
+from tolerances import assert_within_lowp_noise
 
 pytestmark = pytest.mark.gpu
 DEVICE = "cuda"
 B, H, S, D = 2, 8, 256, 64
-
-
-def assert_within_lowp_noise(name, got, ref, lowp):
-    err = (got.float() - ref.float()).abs().max().item()
-    base = (lowp.float() - ref.float()).abs().max().item()
-    bound = 2 * base + 1e-3 * ref.float().abs().max().item()
-    assert err <= bound, f"{name}: error {err:.3g} > bound {bound:.3g} (bf16 math error {base:.3g})"
-
-
-@pytest.fixture(autouse=True)
-def _provider_removed():
-    yield
-    handle = provider.current()
-    if handle is not None:
-        handle.remove()
-        pytest.fail("a test left the provider installed")
 
 
 def _dense_inputs(seed=0):

@@ -72,8 +72,12 @@ def test_one_recipe_batch_gives_eager_gradients_for_every_parameter(family):
     # bounds the loss curves come from. eager keeps packed documents apart through position_ids.
     import torch
 
+    import cudnn_attention
+
     (batch,) = recipe_batches(size="small", tokens=int(COMPARE_TOKENS), count=1, device="cuda")
     implementations = [("cudnn", torch.bfloat16), ("eager", torch.float32), ("eager", torch.bfloat16)]
     grads = recipe_gradients(family=family, size="small", batch=batch, implementations=implementations, device="cuda")
+    stats = cudnn_attention.stats()  # cuDNN itself served the gradients compared, not the exact fallback
+    assert stats["cudnn_backward"] > 0 and not stats["fallback_forward"] and not stats["fallback_backward"], stats
     mismatches = gradient_mismatches(grads["cudnn", torch.bfloat16], grads["eager", torch.float32], grads["eager", torch.bfloat16])
     assert not mismatches, "\n".join(mismatches)

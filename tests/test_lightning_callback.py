@@ -26,17 +26,10 @@ FLAG = "--trainer.callbacks+=cudnn_attention.integrations.lightning.CudnnAttenti
 
 
 @pytest.fixture(autouse=True)
-def _nothing_left_on(monkeypatch):
+def _no_flags_from_the_environment(monkeypatch):
+    # The provider and strict mode left on after a test: conftest's _nothing_left_on.
     monkeypatch.delenv(factory.ENV_VAR, raising=False)
     monkeypatch.delenv("CUDNN_ATTENTION_STRICT", raising=False)
-    yield
-    leaks = [
-        what for what, leaked in (("the provider", provider.current() is not None), ("strict mode", cudnn_attention.is_strict())) if leaked
-    ]
-    if provider.current() is not None:  # clean up first, so one failure does not cascade into the next tests
-        provider.current().remove()
-    cudnn_attention.set_strict(None)
-    assert not leaks, f"left on after the test: {', '.join(leaks)}"
 
 
 def _trainer_options(tmp_path, **overrides):

@@ -89,13 +89,12 @@ def test_graph_builds_and_rejections_are_counted_with_their_time(monkeypatch):
                 right=0, bottom_right=False, sinks=False, padded=False, packed=True, need_lse=True, total_q=0, total_kv=0,
                 deterministic=False)  # fmt: skip
     try:
-        for direction, batch in (("forward", 1), ("forward", 1), ("backward", 1), ("forward", 3)):  # one cache hit
-            try:
-                cudnn_graphs.get_graph(cudnn_graphs.GraphSpec(direction=direction, batch=batch, **base))
-            except cudnn_graphs.GraphRejected:
-                assert batch == 3
+        for direction in ("forward", "forward", "backward"):  # the second forward is a cache hit
+            cudnn_graphs.get_graph(cudnn_graphs.GraphSpec(direction=direction, batch=1, **base))
+        with pytest.raises(cudnn_graphs.GraphRejected, match="unsupported"):
+            cudnn_graphs.get_graph(cudnn_graphs.GraphSpec(direction="forward", batch=3, **base))
         builds = cudnn_attention.stats()["graph_builds"]
-        assert builds["forward"] == 2 and builds["backward"] == 1 and builds["seconds"] >= 0.0, builds
+        assert builds["forward"] == 2 and builds["backward"] == 1 and builds["seconds"] > 0.0, builds
         cudnn_attention.reset_stats()
         assert cudnn_attention.stats()["graph_builds"] == {"forward": 0, "backward": 0, "seconds": 0.0}
     finally:

@@ -29,15 +29,6 @@ def _ours_registered(op: str) -> bool:
     return "provider.py" in torch._C._dispatch_dump(op)
 
 
-@pytest.fixture(autouse=True)
-def _no_provider_left():
-    yield
-    handle = provider.current()
-    if handle is not None:  # a failed test must not leak overrides into the next one
-        handle.remove()
-        pytest.fail("a test left the provider installed")
-
-
 # ----------------------------------------------------------------------------------------------
 # Lifecycle
 # ----------------------------------------------------------------------------------------------

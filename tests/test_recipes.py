@@ -13,6 +13,7 @@ pytest.importorskip("matplotlib")
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 sys.path.insert(0, str(RECIPES))  # what `python recipes/<script>.py` does for the scripts
+sys.path.insert(0, str(RECIPES.parent / "benchmarks"))  # the benchmark scripts, likewise
 
 from common import ByteTokenizer, PackedCollator, build_model, causal_pairs, cut_documents, model_shape, pack_documents  # noqa: E402
 from common.data import STATS_KEY  # noqa: E402
@@ -178,7 +179,6 @@ def test_local_checkpoint_tokenizer_and_jsonl_dataset(tmp_path):
 
 
 def test_recipe_benchmark_runs_each_case_as_a_user_command_and_tabulates_it(tmp_path):
-    sys.path.insert(0, str(RECIPES.parent / "benchmarks"))
     import recipe_training as benchmark
 
     (record,) = benchmark.main(["--suite", "loss", "--quick", "--only", "sinks", "--out", str(tmp_path)])
@@ -195,7 +195,6 @@ def test_recipe_benchmark_runs_each_case_as_a_user_command_and_tabulates_it(tmp_
 
 
 def test_recipe_benchmark_seeds_reach_the_recipe_and_the_verdict_averages_over_them(tmp_path):
-    sys.path.insert(0, str(RECIPES.parent / "benchmarks"))
     import dataclasses
 
     import recipe_training as benchmark
@@ -223,7 +222,6 @@ def test_recipe_benchmark_seeds_reach_the_recipe_and_the_verdict_averages_over_t
 
 
 def test_gradient_accuracy_benchmark_compares_each_implementation_with_fp32(tmp_path):
-    sys.path.insert(0, str(RECIPES.parent / "benchmarks"))
     import gradient_accuracy
 
     (result,) = gradient_accuracy.main(["--quick", "--families", "mistral", "--out", str(tmp_path)])

@@ -1,0 +1,15 @@
+"""The GPU tests' tolerance rule (FlashAttention's): the error against an fp32 reference may be at most twice the
+error of PyTorch doing the same math in low precision, plus 1e-3 of the reference's magnitude (largest elements)."""
+
+import torch
+
+__all__ = ["assert_within_lowp_noise"]
+
+
+def assert_within_lowp_noise(name: str, got: torch.Tensor, ref: torch.Tensor, lowp: torch.Tensor) -> None:
+    """``got`` within the rule, where ``ref`` is the fp32 reference and ``lowp`` the same math in low precision."""
+    err = (got.float() - ref.float()).abs().max().item()
+    base = (lowp.float() - ref.float()).abs().max().item()
+    magnitude = ref.float().abs().max().item()
+    bound = 2 * base + 1e-3 * magnitude
+    assert err <= bound, f"{name}: cuDNN error {err:.3g} > bound {bound:.3g} (torch low-precision error {base:.3g}, |ref| {magnitude:.3g})"
