@@ -11,6 +11,8 @@ import subprocess
 import sys
 import threading
 
+import itertools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -240,22 +242,24 @@ def test_attention_bias_is_handed_to_torch_and_counted(cpu_kernels):
 
 def test_varlen_attn_is_served_with_bottom_right_windows(cpu_kernels):
     varlen = pytest.importorskip("torch.nn.attention.varlen")
-    lengths = [5, 9, 2]
-    cu = torch.tensor([0, 5, 14, 16], dtype=torch.int32)
-    q, k, v = _qkv(16, 4, 8, seed=1)
-    out = varlen.varlen_attn(q, k, v, cu, cu, 9, 9, window_size=(3, 0))
+    # More keys than queries per document (a KV prefix): only then does bottom-right alignment differ from top-left.
+    lengths_q, lengths_kv = [3, 6, 2], [5, 9, 2]
+    cu_q, cu_kv = (torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32) for lengths in (lengths_q, lengths_kv))
+    q = _qkv(sum(lengths_q), 4, 8, seed=1)[0]
+    k, v = _qkv(sum(lengths_kv), 4, 8, seed=2)[:2]
+    out = varlen.varlen_attn(q, k, v, cu_q, cu_kv, max(lengths_q), max(lengths_kv), window_size=(3, 0))
     grad_out = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), grad_out)
-    start = 0
-    for length in lengths:  # each document on its own, with the same window
-        part = [t.detach()[start : start + length].transpose(0, 1).unsqueeze(0).requires_grad_() for t in (q, k, v)]
-        i, j = torch.arange(length).view(-1, 1), torch.arange(length).view(1, -1)
+    for doc, (len_q, len_kv) in enumerate(zip(lengths_q, lengths_kv)):  # each document on its own, with the same window
+        rows_q, rows_kv = slice(cu_q[doc], cu_q[doc + 1]), slice(cu_kv[doc], cu_kv[doc + 1])
+        part = [t.detach()[rows].transpose(0, 1).unsqueeze(0).requires_grad_() for t, rows in ((q, rows_q), (k, rows_kv), (v, rows_kv))]
+        # Query i sits at key position i + len_kv - len_q (the last len_q keys), and sees itself and the 3 keys before.
+        i, j = torch.arange(len_q).view(-1, 1) + (len_kv - len_q), torch.arange(len_kv).view(1, -1)
         expected = F.scaled_dot_product_attention(*part, attn_mask=(j <= i) & (j >= i - 3))
-        torch.testing.assert_close(out[start : start + length], expected[0].transpose(0, 1))
-        expected_grads = torch.autograd.grad(expected, part, grad_out[start : start + length].transpose(0, 1).unsqueeze(0))
-        for got, want in zip(grads, expected_grads):
-            torch.testing.assert_close(got[start : start + length], want[0].transpose(0, 1))
-        start += length
+        torch.testing.assert_close(out[rows_q], expected[0].transpose(0, 1))
+        expected_grads = torch.autograd.grad(expected, part, grad_out[rows_q].transpose(0, 1).unsqueeze(0))
+        for got, want, rows in zip(grads, expected_grads, (rows_q, rows_kv, rows_kv)):
+            torch.testing.assert_close(got[rows], want[0].transpose(0, 1))
     provider_stats = cudnn_attention.stats()["provider"]
     assert provider_stats["varlen_forward"] == 1 and provider_stats["varlen_backward"] == 1
 
