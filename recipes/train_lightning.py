@@ -27,7 +27,7 @@ from common.config import data_budget, model_shape
 from common.data import STATS_KEY, PackedCollator, build_dataset
 from common.flops import step_flops_of
 from common.model import build_model
-from common.reporting import RunResult, finish
+from common.reporting import RunResult, finish, step_columns, step_row
 from common.tokenizer import load_tokenizer
 from cudnn_attention.integrations.lightning import CudnnAttention, make_throughput
 
@@ -109,9 +109,7 @@ class PackedCausalLM(LightningModule):
         return torch.utils.data.DataLoader(dataset, batch_size=1, shuffle=True, generator=generator, collate_fn=PackedCollator())
 
     def training_step(self, batch, batch_idx):
-        counts = batch.pop(STATS_KEY)
-        flops, attention = self.step_flops(counts["doc_lengths"])
-        self.last_counts = (counts["tokens"], counts["padded_tokens"], flops, attention)
+        self.last_counts = step_row(batch.pop(STATS_KEY), self.step_flops)
         loss = self.hf(**batch).loss
         self.log("loss", loss, prog_bar=True)
         return loss
@@ -174,8 +172,7 @@ class RecipeReport(Callback):
         cuda = device.type == "cuda"
         self.result = RunResult(
             attn_implementation=pl_module.hparams.attn_implementation, losses=losses.tolist(), step_seconds=self.seconds,
-            tokens=[int(c[0]) for c in counts.tolist()], padded_tokens=[int(c[1]) for c in counts.tolist()],
-            flops=[c[2] for c in counts.tolist()], attention_flops=[c[3] for c in counts.tolist()], world_size=trainer.world_size,
+            **step_columns(counts.tolist()), world_size=trainer.world_size,
             distributed=type(trainer.strategy).__name__,
             device_name=torch.cuda.get_device_name(device) if cuda else "cpu", peak_flops=self.throughput.available_flops,
             peak_memory_bytes=torch.cuda.max_memory_allocated(device) if cuda else None, stats=cudnn_attention.stats(),

@@ -9,7 +9,7 @@ from .config import RecipeConfig, data_budget, model_shape, parse_config
 from .data import STATS_KEY, PackedCollator, PackedDataset, build_dataset, cut_documents, load_texts, pack_documents
 from .flops import StepFlops, causal_pairs, step_flops_of
 from .model import UnsupportedImplementation, build_model
-from .reporting import RunResult, comparison, finish, plot_losses, served_by, write_metrics
+from .reporting import RunResult, comparison, finish, plot_losses, served_by, step_columns, step_row, write_metrics
 from .tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
 __all__ = [
@@ -38,6 +38,8 @@ __all__ = [
     "run_with_compare",
     "served_by",
     "skip_reason",
+    "step_columns",
     "step_flops_of",
+    "step_row",
     "write_metrics",
 ]

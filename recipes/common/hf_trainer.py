@@ -21,7 +21,7 @@ from .config import RecipeConfig, model_shape, parse_config
 from .data import STATS_KEY, PackedCollator, build_dataset
 from .flops import step_flops_of
 from .model import build_model
-from .reporting import RunResult, finish
+from .reporting import RunResult, finish, step_columns, step_row
 from .tokenizer import load_tokenizer
 
 __all__ = ["main", "run", "train_once"]
@@ -66,9 +66,7 @@ def _trainer_classes():
             self.step_counts: list[tuple[float, float, float, float]] = []
 
         def training_step(self, model, inputs, num_items_in_batch=None):
-            counts = inputs.pop(STATS_KEY)
-            flops, attention = self.step_flops(counts["doc_lengths"])
-            self.step_counts.append((counts["tokens"], counts["padded_tokens"], flops, attention))
+            self.step_counts.append(step_row(inputs.pop(STATS_KEY), self.step_flops))
             loss = super().training_step(model, inputs, num_items_in_batch)
             self.step_losses.append(loss)  # a device tensor: reading it now would synchronize every step
             return loss
@@ -125,9 +123,7 @@ def train_once(config: RecipeConfig, implementation: str, *, dataset, tokenizer,
         trainer.train()
     losses, counts = trainer.gathered()
     result = RunResult(
-        attn_implementation=implementation, losses=losses, step_seconds=list(clock.seconds), tokens=[int(c[0]) for c in counts],
-        padded_tokens=[int(c[1]) for c in counts], flops=[c[2] for c in counts], attention_flops=[c[3] for c in counts],
-        world_size=args.world_size, distributed=_distributed(trainer), device_name=torch.cuda.get_device_name() if cuda else "cpu",
+        attn_implementation=implementation, losses=losses, step_seconds=list(clock.seconds), **step_columns(counts), world_size=args.world_size, distributed=_distributed(trainer), device_name=torch.cuda.get_device_name() if cuda else "cpu",
         peak_flops=peak_flops,
         peak_memory_bytes=torch.cuda.max_memory_allocated() if cuda else None, stats=cudnn_attention.stats(),
     )  # fmt: skip

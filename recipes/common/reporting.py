@@ -10,7 +10,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-__all__ = ["RunResult", "comparison", "describe_comparison", "finish", "plot_losses", "served_by", "warmup_steps", "write_metrics"]
+__all__ = ["RunResult", "comparison", "describe_comparison", "finish", "plot_losses", "served_by", "step_columns", "step_row", "warmup_steps",
+           "write_metrics"]  # fmt: skip
 
 _GIB = 2**30
 
@@ -18,6 +19,19 @@ _GIB = 2**30
 def warmup_steps(steps: int) -> int:
     """Steps left out of throughput: 1 of a short run, a tenth of a longer one, at most 5."""
     return 0 if steps < 2 else max(1, min(5, steps // 10))
+
+
+def step_row(counts: dict, step_flops) -> tuple[float, float, float, float]:
+    """One step's ``(tokens, padded tokens, model FLOPs, attention FLOPs)`` from the collator's counts: what each training
+    engine keeps per step (as a row, so that the ranks' rows can be summed in one gather)."""
+    flops, attention = step_flops(counts["doc_lengths"])
+    return (counts["tokens"], counts["padded_tokens"], flops, attention)
+
+
+def step_columns(rows) -> dict:
+    """:class:`RunResult`'s per-step count fields from :func:`step_row` rows (summed over ranks)."""
+    return {"tokens": [int(row[0]) for row in rows], "padded_tokens": [int(row[1]) for row in rows], "flops": [row[2] for row in rows],
+            "attention_flops": [row[3] for row in rows]}  # fmt: skip
 
 
 @dataclass(kw_only=True)
