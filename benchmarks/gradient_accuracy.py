@@ -58,9 +58,9 @@ def parameter_gradients(model) -> dict[str, torch.Tensor]:
 def recipe_batches(*, size: str, tokens: int, count: int, device: str) -> list[dict]:
     """The first ``count`` packs of the recipes' default data (offline corpus, byte tokenizer), collated for one step each."""
     tokenizer = load_tokenizer()
-    budget = data_budget(size=size)
+    budget = data_budget(size=size, tokens_per_step=tokens)
     dataset = build_dataset(tokenizer=tokenizer, dataset=None, text_field="text", tokens_per_step=tokens, min_doc_tokens=budget.min_doc_tokens,
-                            max_doc_tokens=min(budget.max_doc_tokens, tokens), seed=0)  # fmt: skip
+                            max_doc_tokens=budget.max_doc_tokens, seed=0)  # fmt: skip
     batches = []
     for index in range(count):
         batch = PackedCollator()([dataset[index]])

@@ -70,10 +70,8 @@ class PackedCausalLM(LightningModule):
         self.save_hyperparameters()
         if size == "auto":  # the CLI resolves it from the accelerator; a direct construction from the machine
             size = self.hparams.size = "small" if torch.cuda.is_available() else "tiny"
-        budget = data_budget(size=size)
-        self.tokens_per_step = tokens_per_step or budget.tokens_per_step
-        self.min_doc_tokens = min_doc_tokens or budget.min_doc_tokens
-        self.max_doc_tokens = min(max_doc_tokens or budget.max_doc_tokens, self.tokens_per_step)
+        budget = data_budget(size=size, tokens_per_step=tokens_per_step, min_doc_tokens=min_doc_tokens, max_doc_tokens=max_doc_tokens)
+        self.tokens_per_step, self.min_doc_tokens, self.max_doc_tokens = budget.tokens_per_step, budget.min_doc_tokens, budget.max_doc_tokens
         self.tokenizer = load_tokenizer(tokenizer=tokenizer, checkpoint=checkpoint)
         self.hf = None  # built in configure_model: under Lightning's device/precision context, before FSDP wraps it
         self.step_flops = None

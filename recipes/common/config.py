@@ -89,11 +89,18 @@ def model_shape(*, family: str, size: str) -> ModelShape:
     return dataclasses.replace(dense, window=mistral_window if family == "mistral" else None)
 
 
-def data_budget(*, size: str) -> DataBudget:
-    """The data budget of ``size``."""
+def data_budget(
+    *, size: str, tokens_per_step: int | None = None, steps: int | None = None, min_doc_tokens: int | None = None,
+    max_doc_tokens: int | None = None,
+) -> DataBudget:  # fmt: skip
+    """The data budget of ``size``, with the given fields in place of the preset's (``None``: the preset's); a document
+    is never longer than a step's tokens."""
     if size not in _BUDGETS:
         raise ValueError(f"unknown size {size!r}; sizes {SIZES}")
-    return _BUDGETS[size]
+    preset = _BUDGETS[size]
+    tokens_per_step = tokens_per_step or preset.tokens_per_step
+    return DataBudget(tokens_per_step=tokens_per_step, steps=steps or preset.steps, min_doc_tokens=min_doc_tokens or preset.min_doc_tokens,
+                      max_doc_tokens=min(max_doc_tokens or preset.max_doc_tokens, tokens_per_step))  # fmt: skip
 
 
 @dataclass(kw_only=True)
@@ -136,16 +143,9 @@ class RecipeConfig:
             # accelerate launch / torchrun: each process builds its model on its own GPU, not all on GPU 0.
             device = f"cuda:{os.environ['LOCAL_RANK']}"
         size = self.size if self.size != "auto" else ("small" if device.startswith("cuda") else "tiny")
-        budget = data_budget(size=size)
-        return dataclasses.replace(
-            self,
-            device=device,
-            size=size,
-            tokens_per_step=self.tokens_per_step or budget.tokens_per_step,
-            steps=self.steps or budget.steps,
-            min_doc_tokens=self.min_doc_tokens or budget.min_doc_tokens,
-            max_doc_tokens=min(self.max_doc_tokens or budget.max_doc_tokens, self.tokens_per_step or budget.tokens_per_step),
-        )
+        budget = data_budget(size=size, tokens_per_step=self.tokens_per_step, steps=self.steps, min_doc_tokens=self.min_doc_tokens,
+                             max_doc_tokens=self.max_doc_tokens)  # fmt: skip
+        return dataclasses.replace(self, device=device, size=size, **dataclasses.asdict(budget))
 
     @property
     def dtype(self) -> torch.dtype:
