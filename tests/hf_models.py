@@ -46,3 +46,17 @@ def build(name: str, attn_implementation: str = "eager", dtype=torch.float32, de
 
 
 MODELS = ["llama", "mistral", "qwen2", "gemma2", "gpt_oss"]
+
+
+def documents(lengths, *, seed: int) -> list[list[int]]:
+    """Random token documents of the given lengths (ids 3 and up: 0-2 are the special tokens)."""
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, VOCAB, (n,), generator=generator).tolist() for n in lengths]
+
+
+def packed_batch(docs, *, flash_kwargs: bool = True, device="cpu", with_labels: bool = False) -> dict:
+    """``docs`` packed into one row by transformers' ``DataCollatorWithFlattening``, on ``device``."""
+    from transformers import DataCollatorWithFlattening
+
+    batch = DataCollatorWithFlattening(return_flash_attn_kwargs=flash_kwargs)([{"input_ids": d} for d in docs])
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items() if with_labels or k != "labels"}

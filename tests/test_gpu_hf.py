@@ -9,7 +9,7 @@ import cudnn_attention
 
 transformers = pytest.importorskip("transformers")
 from gradients import gradient_mismatches, parameter_gradients  # noqa: E402
-from hf_models import MODELS, VOCAB, build  # noqa: E402
+from hf_models import MODELS, VOCAB, build, documents, packed_batch  # noqa: E402
 from tolerances import assert_within_lowp_noise  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -43,15 +43,7 @@ def test_models_run_on_cudnn_within_bf16_noise(name, padding):
 
 
 def _docs(seed):
-    generator = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, VOCAB, (n,), generator=generator).tolist() for n in (130, 1, 77, 200)]
-
-
-def _packed(docs, flash_kwargs=True):
-    from transformers import DataCollatorWithFlattening
-
-    batch = DataCollatorWithFlattening(return_flash_attn_kwargs=flash_kwargs)([{"input_ids": d} for d in docs])
-    return {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    return documents((130, 1, 77, 200), seed=seed)
 
 
 @pytest.mark.parametrize("name", ["mistral", "gpt_oss"])
@@ -60,9 +52,9 @@ def test_packed_documents_do_not_leak_through_the_model(name, flash_kwargs):
     model = gpu_model(name, "cudnn")
     docs = _docs(1)
     with torch.no_grad():
-        base = model(**{k: v for k, v in _packed(docs, flash_kwargs).items() if k != "labels"}, use_cache=False).logits[0]
+        base = model(**packed_batch(docs, flash_kwargs=flash_kwargs, device=DEVICE), use_cache=False).logits[0]
         changed = [list(reversed(docs[0]))] + docs[1:]
-        other = model(**{k: v for k, v in _packed(changed, flash_kwargs).items() if k != "labels"}, use_cache=False).logits[0]
+        other = model(**packed_batch(changed, flash_kwargs=flash_kwargs, device=DEVICE), use_cache=False).logits[0]
     first = len(docs[0])
     assert not torch.equal(base[:first], other[:first])
     assert torch.equal(base[first:], other[first:]), "documents after the first changed when only the first did"
@@ -100,8 +92,7 @@ def test_packed_training_gradients_match_eager_for_every_parameter(name):
     for impl, dtype in (("cudnn", torch.bfloat16), ("eager", torch.float32), ("eager", torch.bfloat16)):
         model = gpu_model(name, impl, dtype).train()
         if impl == "cudnn":
-            batch = {k: v for k, v in _packed(docs).items() if k != "labels"}
-            logits = model(**batch, use_cache=False).logits[0]
+            logits = model(**packed_batch(docs, device=DEVICE), use_cache=False).logits[0]
             total = sum(summed_loss(logits[a:b], doc) for a, b, doc in zip(starts, starts[1:], docs))
         else:
             total = sum(summed_loss(model(torch.tensor([doc], device=DEVICE), use_cache=False).logits[0], doc) for doc in docs)

@@ -6,7 +6,7 @@ import torch
 import cudnn_attention
 
 transformers = pytest.importorskip("transformers")
-from hf_models import MODELS, VOCAB, build  # noqa: E402
+from hf_models import MODELS, VOCAB, build, documents, packed_batch  # noqa: E402
 
 RTOL = 1e-4  # fp32 against fp32: summation order only
 
@@ -73,15 +73,7 @@ def test_logits_match_eager(name, padding):
 
 
 def _documents(seed=1):
-    generator = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, VOCAB, (n,), generator=generator).tolist() for n in (7, 1, 10, 5)]
-
-
-def _packed_batch(docs, flash_kwargs):
-    from transformers import DataCollatorWithFlattening
-
-    collator = DataCollatorWithFlattening(return_flash_attn_kwargs=flash_kwargs)
-    return collator([{"input_ids": d} for d in docs])
+    return documents((7, 1, 10, 5), seed=seed)
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -89,8 +81,7 @@ def _packed_batch(docs, flash_kwargs):
 def test_packed_batch_equals_documents_alone(name, flash_kwargs):
     model = build(name, "cudnn")
     docs = _documents()
-    batch = _packed_batch(docs, flash_kwargs)
-    batch.pop("labels")
+    batch = packed_batch(docs, flash_kwargs=flash_kwargs)
     with torch.no_grad():
         packed = model(**batch, use_cache=False).logits[0]
         model.set_attn_implementation("eager")  # eager per document is the ground truth
@@ -105,7 +96,7 @@ def _sum_loss(logits, labels):
 @pytest.mark.parametrize("name", MODELS)
 def test_packed_gradients_equal_sum_of_document_gradients(name):
     docs = _documents(seed=2)
-    batch = _packed_batch(docs, flash_kwargs=True)
+    batch = packed_batch(docs, with_labels=True)
     model = build(name, "cudnn").train()
     if name == "gpt_oss":
         model.config.router_aux_loss_coef = 0.0
