@@ -11,7 +11,7 @@ import torch
 from . import validation
 from .cudnn_ops import cudnn_forward, resolve_cudnn
 from .layouts import token_major
-from .masking import make_mask_spec
+from .masking import effective_lengths, make_mask_spec
 from .policy import fallback_output, note_fallback
 from .reference import dense_reference, varlen_reference
 
@@ -44,7 +44,7 @@ def attention(
         q, k, v: (B, H_q, S_q, D), (B, H_kv, S_kv, D), (B, H_kv, S_kv, D_v); any B/H/S stride order
             with the head dim innermost (transposed views of (B, S, H, D) are served without a copy).
             H_q must be a multiple of H_kv (GQA/MQA; K/V are not repeated).
-        scale: softmax scale, default ``1 / sqrt(D)``.
+        scale: softmax scale, default ``1 / sqrt(D)``; any finite value (0 gives uniform weights).
         causal: hide future keys (``window_size`` right bound 0).
         bottom_right: anchor the causal/window diagonal at the last query and key (decode with a
             KV cache, S_q < S_kv); per sequence when lengths are given. No effect without a band.
@@ -52,8 +52,9 @@ def attention(
             ``i - left <= j <= i + right``; -1 leaves a side unbounded.
         sinks: (H_q,) learnable logits, any float dtype (gpt-oss): each adds ``exp(sink_h)`` to its
             head's softmax denominator and carries no value. Differentiable.
-        seqlens_q, seqlens_kv: (B,) int valid lengths of a right-padded batch. Output rows past a
-            length are zero and get zero gradient; keys past a length are never attended.
+        seqlens_q, seqlens_kv: (B,) int valid lengths of a right-padded batch, clamped to
+            ``[0, S]``. Output rows past a length, and every row of a sequence with no key, are
+            zero and get zero gradient; keys past a length are never attended.
         return_lse: also return the log-sum-exp (B, H_q, S_q) in float32, sink included, ``-inf``
             for padded or fully masked rows. Not differentiable.
         validate: also check lengths against the shapes on the host. This synchronizes with the
@@ -68,7 +69,7 @@ def attention(
     """
     q, k, v = validation.check_qkv(q, k, v, packed=False)
     mask = make_mask_spec(causal=causal, bottom_right=bottom_right, window_size=window_size)
-    scale = validation.resolve_scale(scale, q.shape[-1])
+    q, scale = validation.positive_scale(q, validation.resolve_scale(scale, q.shape[-1]))
     sinks = validation.check_sinks(sinks, q, q.shape[1])
     B, S_q, S_kv = q.shape[0], q.shape[2], k.shape[2]
     seqlens_q = validation.check_seqlens(seqlens_q, "seqlens_q", B, q.device)
@@ -79,13 +80,19 @@ def attention(
                 validation.validate_seqlens(lengths, name, limit)
     padded = seqlens_q is not None or seqlens_kv is not None
     if padded:
-        # cuDNN takes both lengths as int32; an absent side is the full length.
-        seqlens_q = seqlens_q.to(torch.int32) if seqlens_q is not None else torch.full((B,), S_q, dtype=torch.int32, device=q.device)
-        seqlens_kv = seqlens_kv.to(torch.int32) if seqlens_kv is not None else torch.full((B,), S_kv, dtype=torch.int32, device=q.device)
+        # An absent side is the full length.
+        seqlens_q, seqlens_kv = effective_lengths(
+            seqlens_q if seqlens_q is not None else torch.full((B,), S_q, dtype=torch.int32, device=q.device),
+            seqlens_kv if seqlens_kv is not None else torch.full((B,), S_kv, dtype=torch.int32, device=q.device),
+            S_q, S_kv,
+        )  # fmt: skip
     needs_grad = _needs_grad(q, k, v, sinks)
     need_lse = return_lse or needs_grad
 
-    graph, reason = (None, "empty inputs") if _is_empty(q, k) else resolve_cudnn(
+    if _is_empty(q, k):
+        out, lse = dense_reference(q, k, v, scale=scale, mask=mask, sinks_H=sinks, seqlens_q_B=seqlens_q, seqlens_kv_B=seqlens_kv)
+        return (out, lse) if return_lse else out
+    graph, reason = resolve_cudnn(
         q, k, v, has_sinks=sinks is not None, padded=padded, cu_seqlens_q=None, max_seqlen_q=S_q, max_seqlen_kv=S_kv,
         scale=scale, left=mask.left, right=mask.right, bottom_right=mask.bottom_right, need_lse=need_lse, needs_grad=needs_grad,
     )  # fmt: skip
@@ -127,8 +134,13 @@ def varlen_attention(
     :func:`attention`, applied per document (``bottom_right`` aligns each document's last query
     with its last key).
 
-    ``validate=True`` checks on the host that the prefix sums start at 0, never decrease, end
-    within T and respect ``max_seqlen_*``. It synchronizes with the device, so it is off by default.
+    The prefix sums must start at 0, never decrease, end within T and respect ``max_seqlen_*``.
+    ``validate=True`` checks that on the host with an error naming the value; it synchronizes with
+    the device, so it is off by default. Without it CPU tensors are checked all the same (no sync
+    there), and CUDA ones by a device-side assertion queued ahead of the kernels (see
+    :func:`cudnn_attention.validation.check_prefix_sums`): bad offsets stop the process
+    loudly instead of reading out of bounds. ``max_seqlen_* = 0`` (every document empty) and
+    ``T = 0`` give an empty or zero result.
 
     Returns:
         ``out`` (T_q, H_q, D_v), or ``(out, lse)`` with ``lse`` (T_q, H_q) float32.
@@ -136,17 +148,20 @@ def varlen_attention(
     q, k, v = validation.check_qkv(q, k, v, packed=True)
     validation.check_cu_seqlens(cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, q.device)
     mask = make_mask_spec(causal=causal, bottom_right=bottom_right, window_size=window_size)
-    scale = validation.resolve_scale(scale, q.shape[-1])
+    q, scale = validation.positive_scale(q, validation.resolve_scale(scale, q.shape[-1]))
     sinks = validation.check_sinks(sinks, q, q.shape[1])
-    if validate:
-        validation.validate_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", q.shape[0], max_seqlen_q)
-        validation.validate_cu_seqlens(cu_seqlens_kv, "cu_seqlens_kv", k.shape[0], max_seqlen_kv)
+    validation.check_prefix_sums(cu_seqlens_q, cu_seqlens_kv, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_kv, validate=validate)
     needs_grad = _needs_grad(q, k, v, sinks)
     need_lse = return_lse or needs_grad
+    if _is_empty(q, k) or max_seqlen_q == 0 or max_seqlen_kv == 0:
+        out, lse = varlen_reference(
+            q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, scale=scale, mask=mask, sinks_H=sinks
+        )
+        return (out, lse) if return_lse else out
     if needs_grad:
-        q, k, v = (token_major(t) for t in (q, k, v))  # see token_major: cuDNN's packed dQ needs it
+        q, k, v = (token_major(t) for t in (q, k, v))  # see token_major: cuDNN's packed backward needs it
 
-    graph, reason = (None, "empty inputs") if _is_empty(q, k) else resolve_cudnn(
+    graph, reason = resolve_cudnn(
         q, k, v, has_sinks=sinks is not None, padded=False, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q,
         max_seqlen_kv=max_seqlen_kv, scale=scale, left=mask.left, right=mask.right, bottom_right=mask.bottom_right,
         need_lse=need_lse, needs_grad=needs_grad,
@@ -167,4 +182,5 @@ def varlen_attention(
 
 
 def _is_empty(q: torch.Tensor, k: torch.Tensor) -> bool:
+    # Nothing to compute: the exact path returns the (empty or zero) result without a kernel, and is not a fallback.
     return q.numel() == 0 or k.numel() == 0

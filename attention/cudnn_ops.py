@@ -135,7 +135,9 @@ def _length_operands(graph, seqlens_q, seqlens_kv, cu_seqlens_q, cu_seqlens_kv) 
         # Bucketed document count: trailing empty documents (zero length, offsets at the end).
         cu_seqlens_q = torch.cat([cu_seqlens_q, cu_seqlens_q[-1:].expand(extra)])
         cu_seqlens_kv = torch.cat([cu_seqlens_kv, cu_seqlens_kv[-1:].expand(extra)])
-    lengths = [(cu[1:] - cu[:-1]).to(torch.int32).view(-1, 1, 1, 1) for cu in (cu_seqlens_q, cu_seqlens_kv)]
+    len_q, len_kv = (cu[1:] - cu[:-1] for cu in (cu_seqlens_q, cu_seqlens_kv))
+    # A document with queries but no key: no query rows (zero output), as in effective_lengths.
+    lengths = [torch.where(len_kv > 0, len_q, 0).to(torch.int32).view(-1, 1, 1, 1), len_kv.to(torch.int32).view(-1, 1, 1, 1)]
     wide = {"q": cu_seqlens_q.to(torch.int64), "kv": cu_seqlens_kv.to(torch.int64)}
     return lengths + [(wide[side] * token_stride).view(-1, 1, 1, 1) for side, token_stride in graph.ragged_columns]
 
@@ -155,7 +157,9 @@ def _sink_gradient(grad_out, out, lse, sinks):
 
 
 def _run_forward(graph, q, k, v, sinks, seqlens_q, seqlens_kv, cu_seqlens_q, cu_seqlens_kv, need_lse):
-    out, lse = allocate_forward_outputs(q, v, packed=cu_seqlens_q is not None, need_lse=need_lse, out_strides=graph.out_strides)
+    out, lse = allocate_forward_outputs(
+        q, v, packed=cu_seqlens_q is not None, padded=seqlens_q is not None, need_lse=need_lse, out_strides=graph.out_strides
+    )
     operands = [q, k, v, out]
     if need_lse:
         operands.append(lse.unsqueeze(-1))
@@ -189,7 +193,7 @@ def _backward_cuda(grad_out, q, k, v, out, lse, sinks, seqlens_q, seqlens_kv, cu
         grad_out = torch.empty_strided(out.shape, out.stride(), dtype=out.dtype, device=out.device).copy_(grad_out)
     graph = _graph_for("backward", q, k, v, sinks is not None, seqlens_q is not None, cu_seqlens_q, max_seqlen_q, max_seqlen_kv, scale,
                        window_left, window_right, bottom_right, True, deterministic)  # fmt: skip
-    dq, dk, dv, dsinks = allocate_backward_outputs(q, k, v, sinks, packed=cu_seqlens_q is not None)
+    dq, dk, dv, dsinks = allocate_backward_outputs(q, k, v, sinks, packed=cu_seqlens_q is not None, padded=seqlens_q is not None)
     operands = [q, k, v, out, grad_out, lse.unsqueeze(-1), dq, dk, dv]
     operands += _length_operands(graph, seqlens_q, seqlens_kv, cu_seqlens_q, cu_seqlens_kv)
     execute(graph, operands, q.device.index)
@@ -221,14 +225,14 @@ _lib.impl("backward", _backward_cuda, "CUDA")
 @torch.library.register_fake("cudnn_attention::forward", lib=_lib)
 def _forward_fake(q, k, v, sinks, seqlens_q, seqlens_kv, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, scale, window_left,
                   window_right, bottom_right, need_lse):  # fmt: skip
-    out, lse = allocate_forward_outputs(q, v, packed=cu_seqlens_q is not None, need_lse=need_lse)
+    out, lse = allocate_forward_outputs(q, v, packed=cu_seqlens_q is not None, padded=seqlens_q is not None, need_lse=need_lse)
     return out, lse if lse is not None else _no_lse(q)
 
 
 @torch.library.register_fake("cudnn_attention::backward", lib=_lib)
 def _backward_fake(grad_out, q, k, v, out, lse, sinks, seqlens_q, seqlens_kv, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv,
                    scale, window_left, window_right, bottom_right, deterministic):  # fmt: skip
-    return allocate_backward_outputs(q, k, v, sinks, packed=cu_seqlens_q is not None)
+    return allocate_backward_outputs(q, k, v, sinks, packed=cu_seqlens_q is not None, padded=seqlens_q is not None)
 
 
 def _setup_context(ctx, inputs, output):

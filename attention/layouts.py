@@ -40,14 +40,16 @@ def thd_descriptor_strides(t_THD: torch.Tensor, s_max: int) -> tuple[int, int, i
 
 
 def token_major(t_THD: torch.Tensor) -> torch.Tensor:
-    """``t_THD`` itself when tokens are its outermost dimension in memory, else a token-major copy.
+    """``t_THD`` itself when it is a compact token-major (T, H, D) tensor, else a compact copy.
 
-    cuDNN 9.19's packed backward (SM90) returns a wrong dQ for a head-major Q, a (T, H, D) view of
-    (H, T, D) memory, which is what transformers' gpt-oss hands over after its RoPE (``torch.cat``);
-    a head-major dQ beside it does not help. Token-major inputs are the layout its tests verify.
-    Under autograd the copy is differentiable: the gradient goes back in the caller's layout.
+    cuDNN 9.19's packed backward (SM90) trusts only compact token-major operands: a head-major Q
+    (a (T, H, D) view of (H, T, D) memory, what transformers' gpt-oss hands over after its RoPE)
+    gets a wrong dQ, and an interleaved one (``qkv.unbind(1)`` of a (T, 3, H, D) tensor, or q
+    sliced out of a fused projection: token stride larger than H * D) reads past the end of its
+    buffers (CUDA error 700). Both are legal inputs, so both are copied. Under autograd the copy
+    is differentiable: the gradient goes back in the caller's layout.
     """
-    return t_THD if t_THD.stride(0) >= t_THD.stride(1) else t_THD.contiguous()
+    return t_THD if t_THD.is_contiguous() else t_THD.contiguous()
 
 
 def shape_bucket(n: int, minimum: int) -> int:
@@ -87,32 +89,39 @@ def packed_bounds(*, documents: int, max_seqlen: int, tokens: int) -> tuple[int,
 
 
 def allocate_forward_outputs(
-    q: torch.Tensor, v: torch.Tensor, *, packed: bool, need_lse: bool, out_strides: tuple | None = None
+    q: torch.Tensor, v: torch.Tensor, *, packed: bool, padded: bool, need_lse: bool, out_strides: tuple | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out, lse)`` for a forward call. Dense: out adopts q's layout (``out_strides``, when the
-    caller already derived them with :func:`like_layout_strides`), lse (B, H, S_q); ``lse`` is
-    ``None`` when not needed.
+    """``(out, lse)`` for a forward call; ``lse`` is ``None`` when not needed.
 
-    Packed: out (T, H, D_v) and lse (T, H), zero-filled so tokens past ``cu_seqlens[-1]``
-    (which no kernel writes) read zero rather than stale memory.
+    Dense: out adopts q's layout (``out_strides``, when the caller already derived them with
+    :func:`like_layout_strides`), lse (B, H, S_q). Packed: out (T, H, D_v), lse (T, H).
+    Wherever a kernel may leave rows unwritten (packed tokens past ``cu_seqlens[-1]``, padded rows
+    of a sequence with no query or no key) out starts at zero and lse at ``-inf``, so they read as
+    the exact result instead of stale memory.
     """
     if packed:
         T, H = q.shape[0], q.shape[1]
         out = torch.zeros((T, H, v.shape[-1]), dtype=q.dtype, device=q.device)
-        lse = torch.zeros((T, H), dtype=torch.float32, device=q.device) if need_lse else None
+        lse = torch.full((T, H), float("-inf"), dtype=torch.float32, device=q.device) if need_lse else None
         return out, lse
     B, H, S = q.shape[0], q.shape[1], q.shape[2]
     shape = (B, H, S, v.shape[-1])
     out = torch.empty_strided(shape, out_strides or like_layout_strides(shape, q), dtype=q.dtype, device=q.device)
-    lse = torch.empty((B, H, S), dtype=torch.float32, device=q.device) if need_lse else None
+    lse = None
+    if padded:
+        out.zero_()
+        lse = torch.full((B, H, S), float("-inf"), dtype=torch.float32, device=q.device) if need_lse else None
+    elif need_lse:
+        lse = torch.empty((B, H, S), dtype=torch.float32, device=q.device)
     return out, lse
 
 
 def allocate_backward_outputs(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None, *, packed: bool
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None, *, packed: bool, padded: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv, dsinks)``. Dense gradients adopt their input's layout (autograd hands them
-    back as ``.grad``); packed ones are contiguous and zero-filled for tokens outside any document.
+    back as ``.grad``); packed ones are contiguous. Packed and padded ones start at zero: tokens
+    outside any document, and sequences with no query or no key, get no write from the kernel.
     ``dsinks`` is fp32 (H,), or empty without sinks."""
     dsinks = torch.empty((sinks.shape[0] if sinks is not None else 0,), dtype=torch.float32, device=q.device)
     if packed:
@@ -123,4 +132,7 @@ def allocate_backward_outputs(
             dsinks,
         )
     grads = tuple(torch.empty_strided(t.shape, like_layout_strides(tuple(t.shape), t), dtype=q.dtype, device=q.device) for t in (q, k, v))
+    if padded:
+        for grad in grads:
+            grad.zero_()
     return (*grads, dsinks)

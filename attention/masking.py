@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["MaskSpec", "make_mask_spec", "visible_keys"]
+__all__ = ["MaskSpec", "effective_lengths", "make_mask_spec", "visible_keys"]
 
 
 @dataclass(frozen=True)
@@ -69,6 +69,16 @@ def _mask_spec(causal: bool, bottom_right: bool, window_size) -> MaskSpec:
 
 
 _memoized_mask_spec = functools.lru_cache(maxsize=256)(_mask_spec)
+
+
+def effective_lengths(len_q: torch.Tensor, len_kv: torch.Tensor, s_q: int, s_kv: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sequence lengths as the kernels take them: int32, clamped to ``[0, s]`` on every device
+    (so a length past the tensor can never send a kernel out of bounds, and CPU and GPU agree),
+    and no query rows where a sequence has no key (cuDNN would leave them unwritten or NaN; they
+    are zero by definition: nothing to attend to)."""
+    len_kv = len_kv.clamp(0, s_kv).to(torch.int32)
+    len_q = torch.where(len_kv > 0, len_q.clamp(0, s_q), 0).to(torch.int32)
+    return len_q, len_kv
 
 
 def visible_keys(mask: MaskSpec, len_q: torch.Tensor, len_kv: torch.Tensor, s_q: int, s_kv: int) -> torch.Tensor:

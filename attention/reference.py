@@ -50,21 +50,24 @@ def dense_reference(
     q_BNGQD = q_BHQD.to(compute_dtype).reshape(B, H_kv, G, Q, D)
     scores_BNGQK = torch.einsum("bngqd,bnkd->bngqk", q_BNGQD, k_BHKD.to(compute_dtype)) * scale
     scores_BNGQK = scores_BNGQK.masked_fill(~visible_B11QK, float("-inf"))
+    row_valid_B11Q = (torch.arange(Q, device=device).view(1, Q) < len_q_B.view(B, 1)).view(B, 1, 1, Q)
     if sinks_H is not None:
-        # gpt-oss: the sink is one more logit in the denominator that carries no value.
+        # gpt-oss: the sink is one more logit in the denominator that carries no value. Rows past a
+        # sequence's length are absent, so they see no sink either (a NaN sink must not reach them).
         sink_BNGQ1 = sinks_H.to(compute_dtype).view(1, H_kv, G, 1, 1).expand(B, H_kv, G, Q, 1)
+        sink_BNGQ1 = sink_BNGQ1.masked_fill(~row_valid_B11Q[..., None], float("-inf"))
         scores_BNGQK = torch.cat([scores_BNGQK, sink_BNGQ1], dim=-1)
     # A stable softmax that turns fully masked rows into zeros rather than NaN (forward and backward).
     row_max = scores_BNGQK.detach().amax(dim=-1, keepdim=True) if scores_BNGQK.shape[-1] else scores_BNGQK.new_zeros(B, H_kv, G, Q, 1)
     row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
     exp_BNGQK = torch.exp(scores_BNGQK - row_max)
     denom_BNGQ1 = exp_BNGQK.sum(dim=-1, keepdim=True)
-    probs_BNGQK = exp_BNGQK / torch.where(denom_BNGQ1 > 0, denom_BNGQ1, torch.ones_like(denom_BNGQ1))
+    # Only an exact zero (no visible key, no sink) is replaced: a NaN from NaN input must stay NaN, as in torch.
+    probs_BNGQK = exp_BNGQK / torch.where(denom_BNGQ1 == 0, torch.ones_like(denom_BNGQ1), denom_BNGQ1)
     if sinks_H is not None:
         probs_BNGQK = probs_BNGQK[..., :K]
     out_BNGQD = torch.einsum("bngqk,bnkd->bngqd", probs_BNGQK, v_BHKD.to(compute_dtype))
 
-    row_valid_B11Q = (torch.arange(Q, device=device).view(1, Q) < len_q_B.view(B, 1)).view(B, 1, 1, Q)
     lse_BNGQ = (torch.log(denom_BNGQ1.float()) + row_max.float()).squeeze(-1).detach()
     lse_BNGQ = lse_BNGQ.masked_fill(~row_valid_B11Q, float("-inf"))
     out_BHQD = out_BNGQD.reshape(B, H, Q, D_v).to(q_BHQD.dtype)
@@ -92,13 +95,18 @@ def varlen_reference(
     Tokens past ``cu_seqlens[-1]`` (a capacity tail) get a zero output and ``lse = -inf``.
     """
     T_q, H, _ = q_THD.shape
-    T_kv, D_v = k_THD.shape[0], v_THD.shape[2]
+    D_v = v_THD.shape[2]
     B = cu_seqlens_q.numel() - 1
     device = q_THD.device
     cu_q = cu_seqlens_q.long()
     cu_kv = cu_seqlens_kv.long()
-    len_q_B = cu_q[1:] - cu_q[:-1]
     len_kv_B = cu_kv[1:] - cu_kv[:-1]
+    # A document with queries but no key has no query rows (zero output, lse -inf), as on cuDNN.
+    len_q_B = torch.where(len_kv_B > 0, cu_q[1:] - cu_q[:-1], 0)
+    T_kv = k_THD.shape[0]
+    # Padding slots read one appended zero row (so T = 0 works, and a NaN in a real token never
+    # reaches another document through a padding slot's zero weight).
+    q_THD, k_THD, v_THD = (torch.cat([t, t.new_zeros(1, *t.shape[1:])]) for t in (q_THD, k_THD, v_THD))
     # One extra row collects the writes of padding slots and is dropped at the end.
     out_TD = q_THD.new_zeros(T_q + 1, H, D_v, dtype=torch.float32)
     lse_TH = torch.full((T_q + 1, H), float("-inf"), device=device)
@@ -112,9 +120,9 @@ def varlen_reference(
         rows_kv_CS = cu_kv[docs, None] + pos_kv_S
         valid_q_CS = pos_q_S < len_q_B[docs, None]
         valid_kv_CS = pos_kv_S < len_kv_B[docs, None]
-        # Padding slots read row 0 (masked out below) and write the spare last row.
-        gather_q_CS = torch.where(valid_q_CS, rows_q_CS, 0)
-        gather_kv_CS = torch.where(valid_kv_CS, rows_kv_CS, 0)
+        # Padding slots read the appended zero row (masked out below) and write the spare last row.
+        gather_q_CS = torch.where(valid_q_CS, rows_q_CS, T_q)
+        gather_kv_CS = torch.where(valid_kv_CS, rows_kv_CS, T_kv)
         q_CHSD = q_THD[gather_q_CS].permute(0, 2, 1, 3)
         k_CHSD = k_THD[gather_kv_CS].permute(0, 2, 1, 3)
         v_CHSD = v_THD[gather_kv_CS].permute(0, 2, 1, 3)

@@ -56,17 +56,19 @@ def _dense_gap(attn_bias, dropout_p, *, debug_mask=False, cum_seq=None) -> str |
 
 def _resolve(q, k, v, *, cu_seqlens_q, cu_seqlens_kv, max_q, max_kv, is_causal, bottom_right, window_size, scale, needs_grad):
     """``(q, k, v, scale, mask, reason)``: the core's input checks and :func:`resolve_cudnn`;
-    ``reason`` is None when this project's op serves the call."""
+    ``reason`` is None when this project's op serves the call.
+
+    Malformed input (a head-dim mismatch, bad prefix sums, ...) raises the core's error, which
+    names the argument: torch's kernel would fail on it too, less clearly. A non-positive scale is
+    folded into q (:func:`~cudnn_attention.validation.positive_scale`); the backward undoes it on dQ.
+    """
     packed = cu_seqlens_q is not None
-    try:
-        q, k, v = validation.check_qkv(q, k, v, packed=packed)
-        if packed:
-            validation.check_cu_seqlens(cu_seqlens_q, cu_seqlens_kv, max_q, max_kv, q.device)
-        scale = validation.resolve_scale(scale, q.shape[-1])
-        mask = make_mask_spec(causal=is_causal, bottom_right=bottom_right, window_size=window_size)
-    except (TypeError, ValueError) as exc:
-        return q, k, v, scale, None, str(exc)
-    if q.numel() == 0 or k.numel() == 0:
+    q, k, v = validation.check_qkv(q, k, v, packed=packed)
+    if packed:
+        validation.check_cu_seqlens(cu_seqlens_q, cu_seqlens_kv, max_q, max_kv, q.device)
+    q, scale = validation.positive_scale(q, validation.resolve_scale(scale, q.shape[-1]))
+    mask = make_mask_spec(causal=is_causal, bottom_right=bottom_right, window_size=window_size)
+    if q.numel() == 0 or k.numel() == 0 or (packed and (max_q == 0 or max_kv == 0)):
         return q, k, v, scale, mask, "empty inputs"
     _graph, reason = resolve_cudnn(
         q, k, v, has_sinks=False, padded=False, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_q, max_seqlen_kv=max_kv, scale=scale,
@@ -146,7 +148,14 @@ def sdpa_backward(grad_out, query, key, value, out, logsumexp, philox_seed, phil
         torch.are_deterministic_algorithms_enabled(),
     )  # fmt: skip
     count_provider("sdpa_backward")
-    return dq, dk, dv
+    return _unfold_dq(dq, scale, query.shape[-1]), dk, dv
+
+
+def _unfold_dq(dq, scale, head_dim: int):
+    """dQ of the caller's q when :func:`_resolve` folded a non-positive scale into it (here autograd
+    sits above the kernels, so the fold's own derivative is applied by hand: -1 or 0)."""
+    scale = validation.resolve_scale(scale, head_dim)
+    return dq if scale > 0 else dq * (-1.0 if scale < 0 else 0.0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -224,6 +233,7 @@ def _varlen_resolve(call):
 
 
 def _varlen_run(call, q, k, v, scale, mask):
+    validation.check_prefix_sums(call.cu_seq_q, call.cu_seq_k, q.shape[0], k.shape[0], call.max_q, call.max_k, validate=False)
     out, lse_TH = torch.ops.cudnn_attention.forward(
         q,
         k,
@@ -282,4 +292,4 @@ def varlen_backward(*args, **kwargs):
         scale, mask.left, mask.right, mask.bottom_right, torch.are_deterministic_algorithms_enabled(),
     )  # fmt: skip
     count_provider("varlen_backward")
-    return dq, dk, dv
+    return _unfold_dq(dq, call.scale, call.query.shape[-1]), dk, dv

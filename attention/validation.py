@@ -11,7 +11,17 @@ import math
 
 import torch
 
-__all__ = ["check_cu_seqlens", "check_qkv", "check_seqlens", "check_sinks", "resolve_scale", "validate_cu_seqlens", "validate_seqlens"]
+__all__ = [
+    "check_cu_seqlens",
+    "check_prefix_sums",
+    "check_qkv",
+    "check_seqlens",
+    "check_sinks",
+    "positive_scale",
+    "resolve_scale",
+    "validate_cu_seqlens",
+    "validate_seqlens",
+]
 
 _logger = logging.getLogger(__name__)
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -60,6 +70,8 @@ def check_qkv(q, k, v, *, packed: bool) -> tuple[torch.Tensor, torch.Tensor, tor
         raise ValueError(f"k and v must have the same number of heads, got {k_shape[1]} and {v_shape[1]}")
     if q_shape[-1] != k_shape[-1]:
         raise ValueError(f"q and k must have the same head dim, got {q_shape[-1]} and {k_shape[-1]}")
+    if q_shape[-1] == 0 or v_shape[-1] == 0:
+        raise ValueError(f"the head dim must be >= 1, got q/k head dim {q_shape[-1]} and v head dim {v_shape[-1]}")
     if k_shape[1] == 0 or q_shape[1] % k_shape[1]:
         raise ValueError(f"query heads ({q_shape[1]}) must be a multiple of key/value heads ({k_shape[1]})")
     return _innermost_dense(q, "q"), _innermost_dense(k, "k"), _innermost_dense(v, "v")
@@ -74,6 +86,21 @@ def resolve_scale(scale, head_dim: int) -> float:
     if not math.isfinite(scale):
         raise ValueError(f"scale must be finite, got {scale}")
     return float(scale)
+
+
+def positive_scale(q: torch.Tensor, scale: float) -> tuple[torch.Tensor, float]:
+    """``(q', scale')`` with ``scale' > 0`` and the same attention: ``softmax(scale * q k^T)``.
+
+    cuDNN's kernels mask with ``-inf`` and subtract the row maximum before scaling, so ``scale = 0``
+    gives ``0 * -inf = NaN`` and a negative scale overflows. Both are exact with a positive scale:
+    ``-s * q k^T = s * (-q) k^T``, and ``0 * q k^T = 1 * (0 q) k^T`` (uniform weights). Both
+    folds are differentiable, so dQ comes back negated, or zero, as it must.
+    """
+    if scale > 0:
+        return q, scale
+    if scale == 0:
+        return q * 0, 1.0
+    return -q, -scale
 
 
 def check_sinks(sinks, q: torch.Tensor, heads: int) -> torch.Tensor | None:
@@ -105,7 +132,8 @@ def check_seqlens(seqlens, name: str, batch: int, device: torch.device) -> torch
 
 
 def check_cu_seqlens(cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, device: torch.device) -> None:
-    """Prefix sums: 1-D int32/int64 tensors of equal length B + 1 >= 2; maxima positive ints."""
+    """Prefix sums: 1-D int32/int64 tensors of equal length B + 1 >= 2; maxima non-negative ints
+    (0 when every document of that side is empty)."""
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_kv", cu_seqlens_kv)):
         _require_tensor(cu, name)
         if cu.dtype not in _INDEX_DTYPES:
@@ -119,8 +147,38 @@ def check_cu_seqlens(cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, d
     for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_kv", max_seqlen_kv)):
         if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(f"{name} must be a Python int, got {value!r} ({type(value).__name__})")
-        if value < 1:
-            raise ValueError(f"{name} must be >= 1, got {value}")
+        if value < 0:
+            raise ValueError(f"{name} must be >= 0, got {value}")
+
+
+def check_prefix_sums(cu_seqlens_q, cu_seqlens_kv, total_q: int, total_kv: int, max_seqlen_q: int, max_seqlen_kv: int, *, validate: bool) -> None:
+    """Prefix sums start at 0, never decrease, end within T and hold no document longer than ``max_seqlen``.
+
+    Bad ones would make the kernels read past q/k/v or silently truncate documents. On the host
+    (``validate=True``, or CPU tensors, where it costs no device sync) a violation raises a
+    ValueError naming the value. CUDA tensors are otherwise checked on the device: the check is
+    queued on the stream ahead of the kernels, and a violation is a device-side assertion that
+    stops the process before any attention kernel reads the bad offsets. That check runs once per
+    prefix-sum tensor and version (every layer of a forward shares one), and not while compiling or
+    capturing a CUDA graph (validate the batch where it is built, or pass ``validate=True`` once).
+    """
+    if validate or not cu_seqlens_q.is_cuda:
+        validate_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", total_q, max_seqlen_q)
+        validate_cu_seqlens(cu_seqlens_kv, "cu_seqlens_kv", total_kv, max_seqlen_kv)
+        return
+    if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
+        return
+    key = (total_q, total_kv, max_seqlen_q, max_seqlen_kv, id(cu_seqlens_kv), cu_seqlens_kv._version)
+    if getattr(cu_seqlens_q, "_cudnn_attention_checked", None) == (key, cu_seqlens_q._version):
+        return
+    ok = None
+    for cu, total, max_seqlen in ((cu_seqlens_q, total_q, max_seqlen_q), (cu_seqlens_kv, total_kv, max_seqlen_kv)):
+        lengths = cu[1:] - cu[:-1]
+        side_ok = (cu[0] == 0) & (lengths.min() >= 0) & (cu[-1] <= total) & (lengths.max() <= max_seqlen)
+        ok = side_ok if ok is None else ok & side_ok
+    torch._assert_async(ok, "cudnn_attention: invalid cu_seqlens_q/cu_seqlens_kv: they must start at 0, never decrease, end within T, "
+                            "and hold no document longer than max_seqlen (pass validate=True for a host-side error naming the value)")
+    cu_seqlens_q._cudnn_attention_checked = (key, cu_seqlens_q._version)
 
 
 def validate_cu_seqlens(cu_seqlens, name: str, total: int, max_seqlen: int) -> None:

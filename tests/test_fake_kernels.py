@@ -50,7 +50,7 @@ def test_dense_backward_fake_grads_adopt_input_layouts():
 
 def test_real_allocation_helper_matches_fake_on_cpu():
     q = torch.empty(2, 5, 4, 64).transpose(1, 2)
-    out, _ = allocate_forward_outputs(q, q, packed=False, need_lse=True)
+    out, _ = allocate_forward_outputs(q, q, packed=False, padded=False, need_lse=True)
     fake_out, _ = _forward(q.to("meta"), q.to("meta"), q.to("meta"))
     assert out.stride() == fake_out.stride()
 
@@ -82,11 +82,14 @@ def test_packed_bounds_hold_every_document_within_one_octave():
             assert max_seqlen <= seq < 2 * max(max_seqlen, 64) and seq <= shape_bucket(tokens, 64), (documents, max_seqlen, tokens)
 
 
-def test_token_major_copies_only_head_major_packed_tensors():
+def test_token_major_copies_every_packed_layout_but_the_compact_one():
     head_major = torch.randn(4, 10, 8).transpose(0, 1)  # (T, H, D) view of (H, T, D) memory: gpt-oss after RoPE
     copied = token_major(head_major)
     assert copied.is_contiguous() and torch.equal(copied, head_major)
-    fused = torch.randn(10, 3 * 4 * 8)[:, : 4 * 8].view(10, 4, 8)  # q sliced out of a fused qkv projection: token-major
-    assert token_major(fused) is fused
+    # q sliced out of a fused qkv projection, and FlashAttention's qkv-packed (T, 3, H, D): token stride > H * D,
+    # which cuDNN's packed backward reads out of bounds.
+    for interleaved in (torch.randn(10, 3 * 4 * 8)[:, : 4 * 8].view(10, 4, 8), torch.randn(10, 3, 4, 8).unbind(1)[1]):
+        copied = token_major(interleaved)
+        assert copied.is_contiguous() and torch.equal(copied, interleaved)
     contiguous = torch.randn(10, 4, 8)
     assert token_major(contiguous) is contiguous

@@ -61,7 +61,12 @@ def test_dense_option_errors(kwargs, error, pattern):
         (lambda a: {**a, "cu_seqlens_q": a["cu_seqlens_q"].float()}, TypeError, r"cu_seqlens_q must be int32 or int64, got torch.float32"),
         (lambda a: {**a, "cu_seqlens_kv": a["cu_seqlens_kv"][None]}, ValueError, r"cu_seqlens_kv must be 1-D with B \+ 1 >= 2 entries, got shape \(1, 3\)"),
         (lambda a: {**a, "cu_seqlens_kv": torch.tensor([0, 6], dtype=torch.int32)}, ValueError, r"different batch sizes: 2 and 1"),
-        (lambda a: {**a, "max_seqlen_q": 0}, ValueError, r"max_seqlen_q must be >= 1, got 0"),
+        (lambda a: {**a, "max_seqlen_q": -1}, ValueError, r"max_seqlen_q must be >= 0, got -1"),
+        # CPU prefix sums are checked even without validate=True (it costs no device sync there).
+        (lambda a: {**a, "max_seqlen_q": 0}, ValueError, r"has 4 tokens, more than max_seqlen 0"),
+        (lambda a: {**a, "cu_seqlens_kv": torch.tensor([0, 4, 2], dtype=torch.int32)}, ValueError, r"cu_seqlens_kv must be non-decreasing"),
+        (lambda a: {**a, "cu_seqlens_q": torch.tensor([0, 2, 9], dtype=torch.int32)}, ValueError, r"cu_seqlens_q\[-1\] = 9 exceeds"),
+        (lambda a: {**a, "q": a["q"][..., :0], "k": a["k"][..., :0]}, ValueError, r"head dim must be >= 1, got q/k head dim 0"),
         (lambda a: {**a, "max_seqlen_kv": torch.tensor(4)}, TypeError, r"max_seqlen_kv must be a Python int"),
         (lambda a: {**a, "q": a["q"][None]}, ValueError, r"q must be 3-D \(T, H, D\)"),
         (lambda a: {**a, "cu_seqlens_q": torch.tensor([0, 4, 2], dtype=torch.int32), "validate": True}, ValueError,
