@@ -167,8 +167,20 @@ def _run_forward(graph, q, k, v, sinks, seqlens_q, seqlens_kv, cu_seqlens_q, cu_
         operands.append(_aligned(sinks, "sinks").view(1, -1, 1, 1))
     operands += _length_operands(graph, seqlens_q, seqlens_kv, cu_seqlens_q, cu_seqlens_kv)
     execute(graph, operands, q.device.index)
+    if seqlens_q is not None:
+        valid_B1S1 = _valid_rows(seqlens_q, q.shape[2])
+        out.mul_(valid_B1S1)
+        if lse is not None:
+            lse.masked_fill_(~valid_B1S1[..., 0], float("-inf"))
     count_cudnn("forward")
     return out, lse
+
+
+def _valid_rows(seqlens_q, s_q: int) -> torch.Tensor:
+    """(B, 1, S_q, 1) bool: query rows inside their sequence. cuDNN 9.19 writes rows of a sequence
+    whose query length is 0 when S_q is small (seen at S_q = 1), so padded outputs, incoming
+    gradients and dQ are masked with it rather than trusted to the kernel."""
+    return (torch.arange(s_q, device=seqlens_q.device) < seqlens_q.view(-1, 1)).view(-1, 1, s_q, 1)
 
 
 def _forward_cuda(q, k, v, sinks, seqlens_q, seqlens_kv, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, scale, window_left,
@@ -188,6 +200,9 @@ def _no_lse(q):
 def _backward_cuda(grad_out, q, k, v, out, lse, sinks, seqlens_q, seqlens_kv, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv,
                    scale, window_left, window_right, bottom_right, deterministic):  # fmt: skip
     q, k, v, out = _aligned(q, "q"), _aligned(k, "k"), _aligned(v, "v"), _aligned(out, "out")
+    valid_B1S1 = None if seqlens_q is None else _valid_rows(seqlens_q, q.shape[2])
+    if valid_B1S1 is not None:
+        grad_out = grad_out * valid_B1S1  # padded rows' outputs are constant zero: no gradient flows from them
     if grad_out.stride() != out.stride() or grad_out.dtype != out.dtype or grad_out.data_ptr() % 16:
         # cuDNN reads dO with O's descriptor.
         grad_out = torch.empty_strided(out.shape, out.stride(), dtype=out.dtype, device=out.device).copy_(grad_out)
@@ -197,6 +212,8 @@ def _backward_cuda(grad_out, q, k, v, out, lse, sinks, seqlens_q, seqlens_kv, cu
     operands = [q, k, v, out, grad_out, lse.unsqueeze(-1), dq, dk, dv]
     operands += _length_operands(graph, seqlens_q, seqlens_kv, cu_seqlens_q, cu_seqlens_kv)
     execute(graph, operands, q.device.index)
+    if valid_B1S1 is not None:
+        dq.mul_(valid_B1S1)
     if sinks is not None:
         dsinks.copy_(_sink_gradient(grad_out, out, lse, sinks))
     count_cudnn("backward")

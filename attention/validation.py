@@ -151,38 +151,54 @@ def check_cu_seqlens(cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, d
             raise ValueError(f"{name} must be >= 0, got {value}")
 
 
-def check_prefix_sums(cu_seqlens_q, cu_seqlens_kv, total_q: int, total_kv: int, max_seqlen_q: int, max_seqlen_kv: int, *, validate: bool) -> None:
-    """Prefix sums start at 0, never decrease, end within T and hold no document longer than ``max_seqlen``.
+def check_prefix_sums(
+    cu_seqlens_q,
+    cu_seqlens_kv,
+    total_q: int,
+    total_kv: int,
+    max_seqlen_q: int,
+    max_seqlen_kv: int,
+    *,
+    validate: bool,
+    names: tuple[str, str, str, str] = ("cu_seqlens_q", "cu_seqlens_kv", "max_seqlen_q", "max_seqlen_kv"),
+    cover_all: bool = False,
+) -> None:
+    """Prefix sums start at 0, never decrease, end within T (exactly at T with ``cover_all``: every
+    token is real, as in a transformers batch) and hold no document longer than ``max_seqlen``.
 
-    Bad ones would make the kernels read past q/k/v or silently truncate documents. On the host
-    (``validate=True``, or CPU tensors, where it costs no device sync) a violation raises a
-    ValueError naming the value. CUDA tensors are otherwise checked on the device: the check is
-    queued on the stream ahead of the kernels, and a violation is a device-side assertion that
-    stops the process before any attention kernel reads the bad offsets. That check runs once per
-    prefix-sum tensor and version (every layer of a forward shares one), and not while compiling or
-    capturing a CUDA graph (validate the batch where it is built, or pass ``validate=True`` once).
+    Bad ones would make the kernels read past q/k/v, silently truncate documents, or leave real
+    tokens in no document. On the host (``validate=True``, or CPU tensors, where it costs no device
+    sync) a violation raises a ValueError naming the argument (``names``: the two prefix sums, then
+    the two maxima, as the caller calls them) and the value. CUDA tensors are otherwise checked on
+    the device: the check is queued on the stream ahead of the kernels, and a violation is a
+    device-side assertion that stops the process before any attention kernel reads the bad offsets.
+    That check runs once per prefix-sum tensor and version (every layer of a forward shares one),
+    and not while compiling or capturing a CUDA graph (validate the batch where it is built, or
+    pass ``validate=True`` once).
     """
     if validate or not cu_seqlens_q.is_cuda:
-        validate_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", total_q, max_seqlen_q)
-        validate_cu_seqlens(cu_seqlens_kv, "cu_seqlens_kv", total_kv, max_seqlen_kv)
+        validate_cu_seqlens(cu_seqlens_q, names[0], total_q, max_seqlen_q, max_name=names[2], cover_all=cover_all)
+        validate_cu_seqlens(cu_seqlens_kv, names[1], total_kv, max_seqlen_kv, max_name=names[3], cover_all=cover_all)
         return
     if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
         return
-    key = (total_q, total_kv, max_seqlen_q, max_seqlen_kv, id(cu_seqlens_kv), cu_seqlens_kv._version)
+    key = (total_q, total_kv, max_seqlen_q, max_seqlen_kv, cover_all, id(cu_seqlens_kv), cu_seqlens_kv._version)
     if getattr(cu_seqlens_q, "_cudnn_attention_checked", None) == (key, cu_seqlens_q._version):
         return
     ok = None
     for cu, total, max_seqlen in ((cu_seqlens_q, total_q, max_seqlen_q), (cu_seqlens_kv, total_kv, max_seqlen_kv)):
         lengths = cu[1:] - cu[:-1]
-        side_ok = (cu[0] == 0) & (lengths.min() >= 0) & (cu[-1] <= total) & (lengths.max() <= max_seqlen)
+        ends_ok = (cu[-1] == total) if cover_all else (cu[-1] <= total)
+        side_ok = (cu[0] == 0) & (lengths.min() >= 0) & ends_ok & (lengths.max() <= max_seqlen)
         ok = side_ok if ok is None else ok & side_ok
-    torch._assert_async(ok, "cudnn_attention: invalid cu_seqlens_q/cu_seqlens_kv: they must start at 0, never decrease, end within T, "
-                            "and hold no document longer than max_seqlen (pass validate=True for a host-side error naming the value)")
+    torch._assert_async(ok, f"cudnn_attention: invalid {names[0]}/{names[1]}: they must start at 0, never decrease, end "
+                            f"{'at' if cover_all else 'within'} the token count, and hold no document longer than {names[2]}/{names[3]}")  # fmt: skip
     cu_seqlens_q._cudnn_attention_checked = (key, cu_seqlens_q._version)
 
 
-def validate_cu_seqlens(cu_seqlens, name: str, total: int, max_seqlen: int) -> None:
-    """Host-side checks (they synchronize): starts at 0, non-decreasing, ends <= T, lengths <= max."""
+def validate_cu_seqlens(cu_seqlens, name: str, total: int, max_seqlen: int, *, max_name: str = "max_seqlen", cover_all: bool = False) -> None:
+    """Host-side checks (they synchronize): starts at 0, non-decreasing, ends <= T (== T with
+    ``cover_all``), lengths <= ``max_seqlen`` (called ``max_name`` in the message)."""
     cu = cu_seqlens.detach().cpu().long()
     lengths = cu[1:] - cu[:-1]
     if cu[0] != 0:
@@ -192,8 +208,10 @@ def validate_cu_seqlens(cu_seqlens, name: str, total: int, max_seqlen: int) -> N
         raise ValueError(f"{name} must be non-decreasing, but entry {bad + 1} ({cu[bad + 1].item()}) < entry {bad} ({cu[bad].item()})")
     if cu[-1] > total:
         raise ValueError(f"{name}[-1] = {cu[-1].item()} exceeds the {total} packed tokens")
+    if cover_all and cu[-1] < total:
+        raise ValueError(f"{name}[-1] = {cu[-1].item()} leaves tokens {cu[-1].item()}..{total - 1} of the {total} in no document")
     if lengths.max() > max_seqlen:
-        raise ValueError(f"a document in {name} has {lengths.max().item()} tokens, more than max_seqlen {max_seqlen}")
+        raise ValueError(f"a document in {name} has {lengths.max().item()} tokens, more than {max_name} {max_seqlen}")
 
 
 def validate_seqlens(seqlens, name: str, limit: int) -> None:

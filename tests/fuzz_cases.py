@@ -319,7 +319,7 @@ def _table(title: str, rows: dict) -> list[str]:
     return lines
 
 
-def summarize(records: dict, configs: dict, *, seed: int, requested: int, repro: str = "", max_failures: int = 40) -> str:
+def summarize(records: dict, configs: dict, *, seed: int, requested: int, repro: str = "", max_failures: int = 400) -> str:
     """A plain-text report: totals, counts by layout / dtype / mask / path served, and the failing cases."""
     from collections import defaultdict
 

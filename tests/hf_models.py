@@ -25,10 +25,19 @@ def build(name: str, attn_implementation: str = "eager", dtype=torch.float32, de
         # Layer 0 full attention, layer 1 sliding.
         config = tf.Qwen2Config(**common, use_sliding_window=True, sliding_window=4, max_window_layers=1)
         cls = tf.Qwen2ForCausalLM
+    elif name == "qwen3":
+        # Layer 0 full attention, layer 1 sliding (q/k norms and an explicit head_dim besides).
+        config = tf.Qwen3Config(**common, head_dim=head_dim, use_sliding_window=True, sliding_window=4, max_window_layers=1)
+        cls = tf.Qwen3ForCausalLM
     elif name == "gemma2":
         config = tf.Gemma2Config(**common, head_dim=head_dim, sliding_window=4, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
                                  query_pre_attn_scalar=head_dim)  # fmt: skip
         cls = tf.Gemma2ForCausalLM
+    elif name == "gemma3":
+        # Text-only Gemma 3: no softcapping (so cuDNN serves it), sliding then full attention.
+        config = tf.Gemma3TextConfig(**common, head_dim=head_dim, sliding_window=4, query_pre_attn_scalar=head_dim,
+                                     layer_types=["sliding_attention", "full_attention"])  # fmt: skip
+        cls = tf.Gemma3ForCausalLM
     elif name == "gpt_oss":
         config = tf.GptOssConfig(**common, head_dim=head_dim, sliding_window=4, num_local_experts=4,
                                  num_experts_per_tok=moe_top_k, layer_types=["sliding_attention", "full_attention"])  # fmt: skip
@@ -45,7 +54,7 @@ def build(name: str, attn_implementation: str = "eager", dtype=torch.float32, de
     return model.eval()
 
 
-MODELS = ["llama", "mistral", "qwen2", "gemma2", "gpt_oss"]
+MODELS = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "gpt_oss"]
 
 
 def documents(lengths, *, seed: int) -> list[list[int]]:
@@ -60,3 +69,16 @@ def packed_batch(docs, *, flash_kwargs: bool = True, device="cpu", with_labels: 
 
     batch = DataCollatorWithFlattening(return_flash_attn_kwargs=flash_kwargs)([{"input_ids": d} for d in docs])
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items() if with_labels or k != "labels"}
+
+
+def padded_batch(docs, *, pad_to_multiple_of: int, padding_side: str = "right", device="cpu") -> dict:
+    """``docs`` padded by transformers' ``DataCollatorWithPadding(pad_to_multiple_of=...)`` with a word-level
+    tokenizer built in memory (token i is the word "i"; pad id 0), so every row can end with padding."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import DataCollatorWithPadding, PreTrainedTokenizerFast
+
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel({str(i): i for i in range(VOCAB)}, unk_token="3")),
+                                        pad_token="0", padding_side=padding_side)  # fmt: skip
+    batch = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=pad_to_multiple_of, return_tensors="pt")([{"input_ids": d} for d in docs])
+    return {k: v.to(device) for k, v in batch.items()}

@@ -5,12 +5,16 @@ Contract (transformers 5.x): ``fn(module, query, key, value, attention_mask, dro
 (B, S, H, D) and K/V heads not repeated. An ordered ladder, like FlashAttention's:
 
 1. what cuDNN cannot express -> the model's exact eager path, counted and warned (strict: raises);
-2. a 2-D padding mask -> valid tokens gathered to the front of each row, the padded cuDNN path
-   (padded positions are never computed), and gathered back;
+2. a 2-D keep-mask (B, W written keys, see mask_function) -> each row's kept tokens gathered to the
+   front in order (any 0/1 pattern: left, right, trailing-everywhere, gaps), the padded cuDNN path
+   (padding is never computed), and gathered back. Causality stays exact under this compaction
+   (order is kept); a sliding window counted in compact positions equals transformers' (absolute
+   positions) unless a row has a gap, see ``_masked``;
 3. ``cu_seq_lens_q/k`` + ``max_length_q/k`` (``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``)
-   -> the packed path, with no host synchronization;
-4. packing detected from ``position_ids`` (batch 1, positions restarting) -> the packed path
-   (finding the documents reads them on the host, once per forward);
+   -> the packed path; the metadata is checked (CPU: on the host, CUDA: on the device, no sync);
+4. packing detected from ``position_ids`` (batch 1, a position that does not follow its
+   predecessor starts a document, as in transformers' eager mask) -> the packed path (finding the
+   documents reads them on the host, once per forward);
 5. dense, causal per transformers' resolution, bottom-right aligned when decoding from a cache.
 """
 
@@ -18,10 +22,11 @@ from __future__ import annotations
 
 import torch
 
+from ... import validation
 from ...api import _needs_grad, attention, varlen_attention
 from ...policy import fallback_output, note_fallback
 from .eager_fallback import eager_equivalent, keep_mask_4d
-from .mask_function import pad_keys, query_positions
+from .mask_function import is_tracing, pad_keys, query_positions
 
 __all__ = ["cudnn_attention_forward"]
 
@@ -34,8 +39,9 @@ def cudnn_attention_forward(module, query, key, value, attention_mask, dropout=0
         is_causal = getattr(module, "is_causal", True)
     sinks = kwargs.get("s_aux")
     query, key, value = _to_compute_dtype(query, key, value)
-    B, H, q_len, _ = query.shape
+    B, _, q_len, _ = query.shape
     kv_len = key.shape[2]
+    user_packing = None if attention_mask is not None else _user_packing(kwargs, B * q_len, B * kv_len)
 
     reason = _inexpressible(attention_mask, dropout, softcap, kwargs)
     if reason is not None:
@@ -44,11 +50,13 @@ def cudnn_attention_forward(module, query, key, value, attention_mask, dropout=0
 
     options = dict(scale=scaling, causal=is_causal, sinks=sinks)
     if attention_mask is not None:
-        return _padded(query, key, value, attention_mask.bool(), window=_window(sliding_window, is_causal, kv_len), **options), None
+        if sliding_window is not None and q_len > 1 and _window(sliding_window, is_causal, kv_len) != (-1, -1) and _may_have_gap(attention_mask):
+            return _eager(module, query, key, value, attention_mask, "a sliding window over a padding mask with a gap", is_causal=is_causal,
+                          sliding_window=sliding_window, scaling=scaling, dropout=dropout, softcap=softcap, **kwargs)  # fmt: skip
+        return _masked(query, key, value, attention_mask, sliding_window=sliding_window, **options), None
 
-    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
-    if cu_q is not None and cu_k is not None and kwargs.get("max_length_q") is not None:
-        max_q, max_k = int(kwargs["max_length_q"]), int(kwargs["max_length_k"])
+    if user_packing is not None:
+        cu_q, cu_k, max_q, max_k = user_packing
         return _packed(query, key, value, cu_q, cu_k, max_q, max_k, window=_window(sliding_window, is_causal, max_k), **options), None
 
     packing = _packing_from_position_ids(kwargs.get("position_ids"), B, q_len, kv_len)
@@ -99,40 +107,100 @@ def _window(sliding_window, is_causal: bool, longest: int) -> tuple[int, int]:
     return (sliding_window - 1, 0) if is_causal else (sliding_window, sliding_window)
 
 
-def _padded(query, key, value, keep_BK, *, window, scale, causal, sinks):
-    """Each row's valid tokens (one contiguous run: left or right padding) are gathered to the
-    front, served by the padded cuDNN path with per-row lengths, and gathered back; padded query
-    rows read zero. Queries are the last ``q_len`` written key positions (a KV cache), so the
-    diagonal is bottom-right aligned per row."""
-    B, H, q_len, _ = query.shape
-    kv_len = key.shape[2]
-    keep_BK = pad_keys(keep_BK, kv_len)
-    keep_BQ = keep_BK.index_select(1, query_positions(keep_BK, q_len))
-    start_kv, len_kv = _first_and_count(keep_BK)
-    start_q, len_q = _first_and_count(keep_BQ)
-    q_c = _gather_rows(query.transpose(1, 2), start_q, q_len).transpose(1, 2)
-    k_c = _gather_rows(key.transpose(1, 2), start_kv, kv_len).transpose(1, 2)
-    v_c = _gather_rows(value.transpose(1, 2), start_kv, kv_len).transpose(1, 2)
+def _masked(query, key, value, mask_BW, *, sliding_window, scale, causal, sinks):
+    """A 2-D keep-mask (B, W written keys): the compacted padded path for the queries. Without
+    gradients (generation) the last query row is also computed on its own (see ``_last_query``),
+    so that a padded last position, the one generate reads after a right-padded prompt, gets
+    eager's output rather than zero. Training skips that second call: a padded position's output
+    feeds no loss (its label is ignored), and FlashAttention's zero is as good there."""
+    q_len, kv_len = query.shape[2], key.shape[2]
+    keep_BK, written = pad_keys(mask_BW, kv_len)
+    window = _window(sliding_window, causal, kv_len)
+    reach = None if window == (-1, -1) else (sliding_window if causal else sliding_window + 1)
+    if q_len == 1:
+        return _last_query(query, key, value, keep_BK, written, reach, scale=scale, sinks=sinks)
+    out_BQHD, compact_kv = _padded(query, key, value, keep_BK, written, window=window, scale=scale, causal=causal, sinks=sinks)
+    if _needs_grad(query, key, value, sinks):
+        return out_BQHD
+    last_B1HD = _last_query(query[:, :, -1:], key, value, keep_BK, written, reach, scale=scale, sinks=sinks, compact_kv=compact_kv)
+    kept_last_B111 = keep_BK[:, written - 1].view(-1, 1, 1, 1)
+    return torch.cat([out_BQHD[:, :-1], torch.where(kept_last_B111, out_BQHD[:, -1:], last_B1HD)], dim=1)
+
+
+def _last_query(query_BH1D, key, value, keep_BK, written, reach, *, scale, sinks, compact_kv=None):
+    """(B, 1, H, D_v): the query at key position ``written - 1`` as transformers' eager attention
+    computes it, kept or padding: it sees the kept keys among the last ``reach`` positions (its
+    window, in absolute positions, so gaps are exact), or all kept keys. One query's window is a
+    set of keys, so no band is needed: those keys are compacted and attended without a mask.
+    ``compact_kv``: (k, v, lengths) of every kept key, already gathered by the caller. A padded
+    query with no kept key in its window reads zero (eager's additive mask averages every value
+    then: a degenerate row nobody reads, e.g. more trailing padding than the window)."""
+    if reach is not None:
+        first = torch.sym_max(written - reach, 0)
+        keep_BK, key, value = keep_BK[:, first:written], key[:, :, first:written], value[:, :, first:written]
+        compact_kv = None
+    if compact_kv is None:
+        order_kv_BK, len_kv_B = _compaction(keep_BK)
+        compact_kv = (_gather_tokens(key, order_kv_BK), _gather_tokens(value, order_kv_BK), len_kv_B)
+    k_c, v_c, len_kv_B = compact_kv
+    out = attention(query_BH1D, k_c, v_c, scale=scale, sinks=sinks, seqlens_kv=len_kv_B)
+    return out.transpose(1, 2)
+
+
+def _may_have_gap(mask_BW) -> bool:
+    """Whether some row's kept tokens are not one unbroken run (padding between real tokens, e.g.
+    generate continuing a right-padded prompt). Then a window counted over the compacted tokens
+    would differ from transformers' absolute-position window, so the caller takes the exact eager
+    path. The answer is read on the host once per mask object (every sliding layer of a forward
+    shares it) and kept on the tensor; while tracing nothing can be read, and the exact path is taken."""
+    if is_tracing():
+        return True
+    cached = getattr(mask_BW, "_cudnn_attention_gap", None)
+    if cached is not None and cached[0] == mask_BW._version:
+        return cached[1]
+    keep_BW = mask_BW.bool()
+    count_B = keep_BW.sum(dim=-1)
+    first_B = keep_BW.to(torch.int8).argmax(dim=-1)
+    last_B = keep_BW.shape[-1] - 1 - keep_BW.flip(-1).to(torch.int8).argmax(dim=-1)
+    gap = bool(((count_B > 0) & (last_B - first_B + 1 != count_B)).any())
+    mask_BW._cudnn_attention_gap = (mask_BW._version, gap)
+    return gap
+
+
+def _padded(query, key, value, keep_BK, written, *, window, scale, causal, sinks):
+    """(out (B, Q, H, D_v), (k, v, lengths) compacted). Each row's kept tokens are gathered to the
+    front in order (a stable sort of the keep-mask on the device, FlashAttention's unpadding kept
+    per row), served by the padded cuDNN path with per-row lengths, and gathered back; padded
+    query rows read zero (FlashAttention's convention; ``_masked`` redoes the last one). The queries are the last
+    ``q_len`` of the ``written`` keys, so the k-th kept query is the last kept key but
+    ``len_q - 1 - k``: the diagonal is bottom-right aligned per row."""
+    q_len = query.shape[2]
+    keep_BQ = keep_BK.index_select(1, query_positions(written, q_len, query.device))
+    order_q_BQ, len_q_B = _compaction(keep_BQ)
+    order_kv_BK, len_kv_B = _compaction(keep_BK)
+    q_c = _gather_tokens(query, order_q_BQ)
+    k_c = _gather_tokens(key, order_kv_BK)
+    v_c = _gather_tokens(value, order_kv_BK)
     out_c = attention(q_c, k_c, v_c, scale=scale, causal=causal, bottom_right=True, window_size=window, sinks=sinks,
-                      seqlens_q=len_q, seqlens_kv=len_kv)  # fmt: skip
-    # Back to original positions: row p holds compact row p - start, zero outside the valid run.
-    position_S = torch.arange(q_len, device=query.device)
-    compact_BS = position_S - start_q[:, None]
-    valid_BS = (compact_BS >= 0) & (compact_BS < len_q[:, None])
-    out_BSHD = _gather_rows(out_c.transpose(1, 2), compact_BS.clamp(0, q_len - 1), q_len, absolute=True)
-    return out_BSHD * valid_BS[:, :, None, None].to(out_BSHD.dtype)
+                      seqlens_q=len_q_B, seqlens_kv=len_kv_B)  # fmt: skip
+    # Back to original positions: a kept query is compact row (kept queries before it), others zero.
+    rank_BQ = (keep_BQ.cumsum(dim=1) - 1).clamp_min(0)
+    out_BQHD = _gather_tokens(out_c, rank_BQ).transpose(1, 2)
+    return out_BQHD * keep_BQ[:, :, None, None].to(out_BQHD.dtype), (k_c, v_c, len_kv_B)
 
 
-def _first_and_count(keep_BL):
-    keep_int = keep_BL.to(torch.int32)
-    return keep_int.argmax(dim=-1), keep_int.sum(dim=-1, dtype=torch.int32)
+def _compaction(keep_BL):
+    """(order, count): indices that bring each row's kept tokens to the front, in order, and how many there are."""
+    order_BL = torch.argsort((~keep_BL).to(torch.uint8), dim=1, stable=True)
+    return order_BL, keep_BL.sum(dim=1, dtype=torch.int32)
 
 
-def _gather_rows(x_BSHD, start_or_index, length, *, absolute=False):
-    """Rows ``start + i`` (or the given absolute indices) of each batch row, clamped in range."""
+def _gather_tokens(x_BHSD, index_BL):
+    """(B, H, L, D) view of tokens ``index_BL`` of each row, gathered token-major (B, L, H, D) so the
+    core reads it without a copy."""
+    x_BSHD = x_BHSD.transpose(1, 2)
     B, _, H, D = x_BSHD.shape
-    index_BS = start_or_index if absolute else (start_or_index[:, None] + torch.arange(length, device=x_BSHD.device)).clamp_max(x_BSHD.shape[1] - 1)
-    return x_BSHD.gather(1, index_BS[:, :, None, None].expand(B, index_BS.shape[1], H, D))
+    return x_BSHD.gather(1, index_BL[:, :, None, None].expand(B, index_BL.shape[1], H, D)).transpose(1, 2)
 
 
 def _packed(query, key, value, cu_q, cu_k, max_q, max_k, *, window, scale, causal, sinks):
@@ -144,8 +212,32 @@ def _packed(query, key, value, cu_q, cu_k, max_q, max_k, *, window, scale, causa
     return out_THD.view(B, S, H, -1)
 
 
+def _user_packing(kwargs, tokens_q: int, tokens_k: int):
+    """(cu_q, cu_k, max_q, max_k) from ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``'s
+    kwargs, checked (every path that reads them, the eager fallback included), or None.
+
+    In a transformers batch every token is real, so the prefix sums must cover all of them (one
+    past ``cu[-1]`` would get a zero output), and ``max_length`` must bound every document (a
+    longer one would be cut short): the core's check, CPU on the host with a ValueError naming the
+    argument, CUDA on the device without a sync."""
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if cu_q is None or cu_k is None or kwargs.get("max_length_q") is None:
+        return None
+    max_q, max_k = int(kwargs["max_length_q"]), int(kwargs["max_length_k"])
+    validation.check_prefix_sums(cu_q, cu_k, tokens_q, tokens_k, max_q, max_k, validate=False, cover_all=True,
+                                 names=("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"))  # fmt: skip
+    return cu_q, cu_k, max_q, max_k
+
+
 def _packing_from_position_ids(position_ids, batch: int, q_len: int, kv_len: int):
-    """((cu_q, cu_k), (max_q, max_k)) when ``position_ids`` restart inside a single row, else None.
+    """((cu_q, cu_k), (max_q, max_k)) when ``position_ids`` hold more than one document in a single
+    row, else None.
+
+    Documents are found as transformers' eager mask finds them (``find_packed_sequence_indices``):
+    one starts at the first token and wherever a position is not its predecessor's plus one. So
+    every token lies in a document: ``[3, 4, 5, 0, 1, 2]`` is two documents, the first a
+    continuation. (FlashAttention's rule, a document starts where the position equals the row's
+    minimum, leaves tokens before the first minimum in no document, with a zero output.)
 
     Reading the document boundaries needs the host, so the answer is kept on the tensor itself:
     every layer of one forward shares the same ``position_ids`` object and pays once.
@@ -155,20 +247,25 @@ def _packing_from_position_ids(position_ids, batch: int, q_len: int, kv_len: int
     cached = getattr(position_ids, "_cudnn_attention_packing", None)
     if cached is not None and cached[0] == position_ids._version:
         return cached[1]
-    from transformers.modeling_flash_attention_utils import _is_packed_sequence, prepare_fa_kwargs_from_position_ids
-
+    position_T = position_ids.reshape(-1)
+    starts_T = torch.ones_like(position_T, dtype=torch.bool)
+    starts_T[1:] = position_T[1:] != position_T[:-1] + 1
+    first_tokens = starts_T.nonzero().view(-1)  # the host read
     packing = None
-    if bool(_is_packed_sequence(position_ids, batch)):
-        (cu_q, cu_k), (max_q, max_k) = prepare_fa_kwargs_from_position_ids(position_ids)
-        packing = ((cu_q, cu_k), (int(max_q), int(max_k)))
+    if first_tokens.numel() > 1:
+        cu = torch.cat([first_tokens, first_tokens.new_full((1,), position_T.numel())]).to(torch.int32)
+        longest = int((cu[1:] - cu[:-1]).max())
+        packing = ((cu, cu), (longest, longest))
     position_ids._cudnn_attention_packing = (position_ids._version, packing)
     return packing
 
 
 def _eager(module, query, key, value, attention_mask, reason, *, is_causal, sliding_window, scaling, dropout, softcap, **kwargs):
     """Count, warn once (or raise in strict mode), then run the model's eager attention on a mask
-    that carries everything the fast path would have applied."""
-    note_fallback("forward", f"transformers: {reason}")
+    that carries everything the fast path would have applied. While tracing nothing is counted
+    (a Python side effect a compiled graph would not replay; strict mode cannot refuse it either)."""
+    if not is_tracing():
+        note_fallback("forward", f"transformers: {reason}")
     B, _, q_len, _ = query.shape
     kv_len = key.shape[2]
     if attention_mask is not None and attention_mask.dim() == 4:
@@ -188,4 +285,6 @@ def _eager(module, query, key, value, attention_mask, reason, *, is_causal, slid
         kwargs["softcap"] = softcap
     needs_grad = _needs_grad(query, key, value, kwargs.get("s_aux"))
     out, weights = eager_equivalent(module, query, key, value, keep_4d, scaling=scaling, dropout=dropout, **kwargs)
+    if is_tracing():
+        return out, weights
     return fallback_output(out, f"transformers: {reason}", needs_grad=needs_grad), weights

@@ -30,12 +30,13 @@ def keep_mask_4d(
     doc_ids_T: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Bool (B, 1, q_len, kv_len). Queries sit at the last ``q_len`` key positions, or, with a
-    keep-mask, at ``query_positions(keep_BK, q_len)`` (a static cache's written prefix)."""
+    keep-mask (B, W written keys; see mask_function), at the last ``q_len`` of its ``W`` columns.
+    Causality and the window count absolute key positions, as transformers' eager mask does, so a
+    mask with a gap (padding between real tokens) gets eager's exact semantics."""
+    written = kv_len
     if keep_BK is not None:
-        keep_BK = pad_keys(keep_BK, kv_len)
-        i_Q1 = query_positions(keep_BK.bool(), q_len).view(q_len, 1)
-    else:
-        i_Q1 = torch.arange(kv_len - q_len, kv_len, device=device).view(q_len, 1)
+        keep_BK, written = pad_keys(keep_BK, kv_len)
+    i_Q1 = query_positions(written, q_len, device).view(q_len, 1)
     j_1K = torch.arange(kv_len, device=device).view(1, kv_len)
     allowed_QK = torch.ones(q_len, kv_len, dtype=torch.bool, device=device)
     if causal:
@@ -45,7 +46,7 @@ def keep_mask_4d(
         allowed_QK &= (j_1K > i_Q1 - sliding_window) if causal else ((i_Q1 - j_1K).abs() <= sliding_window)
     allowed_BQK = allowed_QK.expand(batch, q_len, kv_len)
     if keep_BK is not None:
-        allowed_BQK = allowed_BQK & keep_BK[:, None, :].bool()
+        allowed_BQK = allowed_BQK & keep_BK[:, None, :]
     if doc_ids_T is not None:
         allowed_BQK = allowed_BQK & (doc_ids_T[-q_len:, None] == doc_ids_T[None, :])
     return allowed_BQK[:, None]

@@ -4,19 +4,36 @@ transformers builds one mask per forward through the function registered under t
 implementation's name (a name registered only for attention gets ``attention_mask=None`` always,
 silently dropping padding). This one returns, like FlashAttention's:
 
-- ``None`` when no key needs masking (the attention function applies causality and windows);
-- a 2-D bool keep-mask (B, kv_length) when keys are padding or are cache slots not yet written
-  (a static cache hands over its full length; keys at or past ``q_offset + q_length`` are unwritten);
+- ``None`` when every key is written and none is padding (the attention function applies
+  causality and windows; queries are the last ``q_len`` keys);
+- a 2-D bool keep-mask (B, W) whose width W is the number of *written* keys: keys past W are
+  slots of a static cache nobody wrote yet, and the queries are keys ``W - q_len .. W - 1``.
+  Zeros inside the mask are padding, wherever they are (left, right, or a gap), never unwritten
+  slots: the width alone says where the queries sit, so a batch whose every row ends with padding
+  (``pad_to_multiple_of``, ``padding="max_length"``) is not mistaken for a static cache.
+  transformers' FlashAttention path uses the same convention (``_upad_input`` slices K/V to the
+  mask's width);
 - a 4-D bool mask from transformers' own ``sdpa_mask`` when a model adds its own mask functions
-  (``or``/``and`` overlays): cuDNN cannot express those, and the attention function then runs the
-  exact eager-equivalent path on that mask, visibly.
+  (``or``/``and`` overlays), or when a static cache's written length is only known as a tensor
+  inside a traced graph: cuDNN cannot express those, and the attention function then runs the
+  exact eager-equivalent path on that mask.
+
+The function is traceable (``torch.compile(fullgraph=True)``): no data-dependent Python branch runs
+while tracing. Outside tracing it reads two things on the host, once per forward, as transformers'
+sdpa and flash mask builders do: whether a padding mask is all ones (then ``None``), and a static
+cache's written length when generate dropped an all-ones mask (transformers >= 5.23 does).
+
+Under ``generate`` with a static cache, transformers calls this function twice per step: once in
+``prepare_inputs_for_generation`` (outside a compiled forward) and again inside the forward with
+the first result as ``attention_mask``. The width convention survives that round trip (a 2-D mask
+is cast to bool on the way in, so a richer encoding in its values would not).
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["cudnn_attention_mask", "pad_keys", "query_positions"]
+__all__ = ["cudnn_attention_mask", "is_tracing", "pad_keys", "query_positions"]
 
 
 def cudnn_attention_mask(
@@ -29,36 +46,52 @@ def cudnn_attention_mask(
     attention_mask: torch.Tensor | None = None,
     **kwargs,
 ):
-    from transformers.masking_utils import flash_attention_mask, sdpa_mask
-
     if kwargs.get("use_vmap"):
         # Custom overlays (e.g. bidirectional image tokens) only transformers can evaluate.
-        return sdpa_mask(
-            batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset, kv_offset=kv_offset,
-            mask_function=mask_function, attention_mask=attention_mask, allow_is_causal_skip=False, use_vmap=True,
-            device=kwargs.get("device"),
-        )  # fmt: skip
-    keep_BK = flash_attention_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask)
+        return _sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask, use_vmap=True, **kwargs)
+    if attention_mask is not None:
+        # Its width is the keys seen so far (transformers' contract: past + q_length), which with a
+        # static cache is fewer than kv_length. Sliding layers keep only their last kv_length keys.
+        keep_BW = attention_mask[:, -kv_length:].bool()
+        if not is_tracing() and keep_BW.shape[-1] == kv_length and bool(keep_BW.all()):
+            return None  # nothing to mask: the faster dense path (one host read per forward, like sdpa/flash)
+        return keep_BW
     written = q_offset + q_length - kv_offset  # keys past this are cache slots nobody wrote yet
-    if isinstance(written, torch.Tensor) or written < kv_length:
-        device = kwargs.get("device") or (attention_mask.device if attention_mask is not None else None)
-        written_BK = (torch.arange(kv_length, device=device) < written).expand(batch_size, kv_length)
-        if keep_BK is None:
-            return written_BK
-        return pad_keys(keep_BK, kv_length) & written_BK
-    return keep_BK
+    if isinstance(written, torch.Tensor):
+        # A static cache keeps its length in a tensor (so compiled graphs do not depend on it).
+        if is_tracing():
+            return _sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, None, use_vmap=False, **kwargs)
+        written = int(written)  # outside a graph: generate's mask preparation, once per step
+    if written >= kv_length:
+        return None
+    return torch.ones(batch_size, written, dtype=torch.bool, device=kwargs.get("device"))
 
 
-def pad_keys(keep_BK: torch.Tensor, kv_len: int) -> torch.Tensor:
-    """``keep_BK`` widened to ``kv_len`` keys: a static cache's unwritten tail, past the 2D mask, is not kept."""
-    if keep_BK.shape[-1] >= kv_len:
-        return keep_BK
-    return torch.nn.functional.pad(keep_BK, (0, kv_len - keep_BK.shape[-1]), value=False)
+def _sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask, *, use_vmap, **kwargs):
+    from transformers.masking_utils import causal_mask_function, sdpa_mask
+
+    return sdpa_mask(
+        batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset, kv_offset=kv_offset,
+        mask_function=mask_function or causal_mask_function, attention_mask=attention_mask, allow_is_causal_skip=False,
+        use_vmap=use_vmap, device=kwargs.get("device"),
+    )  # fmt: skip
 
 
-def query_positions(keep_BK, q_len: int) -> torch.Tensor:
-    """Key positions of the ``q_len`` queries: the last ones written. A static cache hands over
-    slots past them, which the mask marks unkept in every row; computed on the device."""
-    kv_len = keep_BK.shape[-1]
-    written_from_end = keep_BK.any(dim=0).flip(0).to(torch.int32).argmax()
-    return (kv_len - written_from_end - q_len + torch.arange(q_len, device=keep_BK.device)).clamp_min(0)
+def is_tracing() -> bool:
+    """Whether a graph is being traced (dynamo, TorchScript, fx): no host reads or data-dependent branches then."""
+    return torch.compiler.is_compiling() or torch.jit.is_tracing() or torch.fx._symbolic_trace.is_fx_tracing()
+
+
+def pad_keys(keep_BW: torch.Tensor, kv_len: int) -> tuple[torch.Tensor, int]:
+    """``(keep_BK, written)``: the keep-mask (B, W written keys) widened to ``kv_len`` keys, a static
+    cache's unwritten slots not kept, and W. A mask wider than the keys keeps its last ``kv_len``
+    columns, as transformers slices it for sliding layers."""
+    keep_BW = keep_BW[:, -kv_len:].bool()
+    written = keep_BW.shape[-1]
+    return torch.nn.functional.pad(keep_BW, (0, kv_len - written), value=False), written
+
+
+def query_positions(written, q_len: int, device) -> torch.Tensor:
+    """Key positions (q_len,) of the queries: the last ``q_len`` of the ``written`` keys (a KV cache,
+    static or not, appends the queries' own keys before attention runs)."""
+    return torch.arange(q_len, device=device) + (written - q_len)
