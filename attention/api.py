@@ -92,13 +92,13 @@ def attention(
     if _is_empty(q, k):
         out, lse = dense_reference(q, k, v, scale=scale, mask=mask, sinks_H=sinks, seqlens_q_B=seqlens_q, seqlens_kv_B=seqlens_kv)
         return (out, lse) if return_lse else out
-    graph, reason = resolve_cudnn(
+    plan, reason = resolve_cudnn(
         q, k, v, has_sinks=sinks is not None, padded=padded, cu_seqlens_q=None, max_seqlen_q=S_q, max_seqlen_kv=S_kv,
         scale=scale, left=mask.left, right=mask.right, bottom_right=mask.bottom_right, need_lse=need_lse, needs_grad=needs_grad,
     )  # fmt: skip
     if reason is None:
         out, lse = cudnn_forward(
-            graph, q, k, v, sinks=None if sinks is None else sinks.to(torch.float32), seqlens_q=seqlens_q, seqlens_kv=seqlens_kv,
+            plan, q, k, v, sinks=None if sinks is None else sinks.to(torch.float32), seqlens_q=seqlens_q, seqlens_kv=seqlens_kv,
             cu_seqlens_q=None, cu_seqlens_kv=None, max_seqlen_q=S_q, max_seqlen_kv=S_kv, scale=scale, mask=mask, need_lse=need_lse,
             needs_grad=needs_grad,
         )  # fmt: skip
@@ -161,14 +161,14 @@ def varlen_attention(
     if needs_grad:
         q, k, v = (token_major(t) for t in (q, k, v))  # see token_major: cuDNN's packed backward needs it
 
-    graph, reason = resolve_cudnn(
+    plan, reason = resolve_cudnn(
         q, k, v, has_sinks=sinks is not None, padded=False, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q,
         max_seqlen_kv=max_seqlen_kv, scale=scale, left=mask.left, right=mask.right, bottom_right=mask.bottom_right,
         need_lse=need_lse, needs_grad=needs_grad,
     )  # fmt: skip
     if reason is None:
         out, lse = cudnn_forward(
-            graph, q, k, v, sinks=None if sinks is None else sinks.to(torch.float32), seqlens_q=None, seqlens_kv=None,
+            plan, q, k, v, sinks=None if sinks is None else sinks.to(torch.float32), seqlens_q=None, seqlens_kv=None,
             cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv, max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv,
             scale=scale, mask=mask, need_lse=need_lse, needs_grad=needs_grad,
         )  # fmt: skip

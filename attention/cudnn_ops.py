@@ -20,7 +20,7 @@ from .cudnn_graphs import GraphRejected, GraphSpec, execute, frontend_unavailabl
 from .layouts import MIN_SEQ_BUCKET, allocate_backward_outputs, allocate_forward_outputs, like_layout_strides, packed_bounds, shape_bucket, thd_descriptor_strides
 from .policy import count_cudnn
 
-__all__ = ["cudnn_forward", "resolve_cudnn"]
+__all__ = ["cudnn_forward", "fold_sinks", "resolve_cudnn"]
 
 _logger = logging.getLogger(__name__)
 
@@ -84,7 +84,8 @@ def _graph_for(direction, q, k, v, sinks, padded, cu_seqlens_q, max_seqlen_q, ma
 
 def resolve_cudnn(q, k, v, *, has_sinks, padded, cu_seqlens_q, max_seqlen_q, max_seqlen_kv, scale, left, right, bottom_right, need_lse,
                   needs_grad):  # fmt: skip
-    """``(forward graph, None)`` when cuDNN serves this call, ``(None, reason)`` when it cannot.
+    """``(forward plan, None)`` when cuDNN serves this call, ``(None, reason)`` when it cannot
+    (a plan is what :func:`_forward_plan` returns).
 
     One predicate for both directions: when gradients will be needed the backward graph must
     build too, so a call never starts on cuDNN and finishes elsewhere. Under ``torch.compile``
@@ -101,14 +102,45 @@ def resolve_cudnn(q, k, v, *, has_sinks, padded, cu_seqlens_q, max_seqlen_q, max
     if unavailable is not None:
         return None, unavailable
     try:
-        graph = _graph_for("forward", q, k, v, has_sinks, padded, cu_seqlens_q, max_seqlen_q, max_seqlen_kv, scale, left, right, bottom_right,
-                           need_lse, False)  # fmt: skip
+        plan = _forward_plan(q, k, v, has_sinks, padded, cu_seqlens_q, max_seqlen_q, max_seqlen_kv, scale, left, right, bottom_right, need_lse)
         if needs_grad:
             _graph_for("backward", q, k, v, has_sinks, padded, cu_seqlens_q, max_seqlen_q, max_seqlen_kv, scale, left, right, bottom_right,
                        True, torch.are_deterministic_algorithms_enabled())  # fmt: skip
     except GraphRejected as rejected:
         return None, str(rejected)
-    return graph, None
+    return plan, None
+
+
+def _forward_plan(q, k, v, has_sinks, padded, cu_seqlens_q, max_seqlen_q, max_seqlen_kv, scale, left, right, bottom_right, need_lse):
+    """``(forward graph, folds_sinks)`` (raises :class:`GraphRejected`).
+
+    cuDNN's sink engine declines some shapes (9.19: a single query row, ``s_q == 1``, which is every
+    decode step of gpt-oss). The sink-less graph serves those exactly: with its LSE, the sink
+    forward is one elementwise fold (:func:`fold_sinks`), and the backward needs nothing else.
+    """
+    try:
+        graph = _graph_for("forward", q, k, v, has_sinks, padded, cu_seqlens_q, max_seqlen_q, max_seqlen_kv, scale, left, right, bottom_right,
+                           need_lse, False)  # fmt: skip
+        return graph, False
+    except GraphRejected:
+        if not has_sinks:
+            raise
+    graph = _graph_for("forward", q, k, v, False, padded, cu_seqlens_q, max_seqlen_q, max_seqlen_kv, scale, left, right, bottom_right, True,
+                       False)  # fmt: skip
+    return graph, True
+
+
+def fold_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> None:
+    """Turn a sink-less ``(out, lse)`` into the sink forward's, in place: each sink adds
+    ``exp(sink_h)`` to its head's denominator, so ``lse' = logaddexp(lse, sink)`` and
+    ``out' = out * exp(lse - lse')``. Rows with no key (``lse = -inf``) stay zero and ``-inf``; a
+    NaN sink gives NaN rows, as in torch. ``lse`` is (B, H, S) or (T, H), fp32."""
+    sinks_view = sinks.view(1, -1, 1) if lse.dim() == 3 else sinks.view(1, -1)
+    no_key = lse == float("-inf")
+    folded = torch.logaddexp(lse, sinks_view)
+    factor = torch.where(no_key, 0.0, torch.exp(lse - folded))
+    out.mul_(factor.unsqueeze(-1))
+    lse.copy_(torch.where(no_key, lse, folded))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -156,17 +188,23 @@ def _sink_gradient(grad_out, out, lse, sinks):
 # ----------------------------------------------------------------------------------------------
 
 
-def _run_forward(graph, q, k, v, sinks, seqlens_q, seqlens_kv, cu_seqlens_q, cu_seqlens_kv, need_lse):
+def _run_forward(plan, q, k, v, sinks, seqlens_q, seqlens_kv, cu_seqlens_q, cu_seqlens_kv, need_lse):
+    graph, folds_sinks = plan
+    graph_sinks = None if folds_sinks else sinks
     out, lse = allocate_forward_outputs(
-        q, v, packed=cu_seqlens_q is not None, padded=seqlens_q is not None, need_lse=need_lse, out_strides=graph.out_strides
+        q, v, packed=cu_seqlens_q is not None, padded=seqlens_q is not None, need_lse=need_lse or folds_sinks, out_strides=graph.out_strides
     )
     operands = [q, k, v, out]
-    if need_lse:
+    if lse is not None:
         operands.append(lse.unsqueeze(-1))
-    if sinks is not None:
-        operands.append(_aligned(sinks, "sinks").view(1, -1, 1, 1))
+    if graph_sinks is not None:
+        operands.append(_aligned(graph_sinks, "sinks").view(1, -1, 1, 1))
     operands += _length_operands(graph, seqlens_q, seqlens_kv, cu_seqlens_q, cu_seqlens_kv)
     execute(graph, operands, q.device.index)
+    if folds_sinks:
+        fold_sinks(out, lse, sinks)
+        if not need_lse:
+            lse = None
     if seqlens_q is not None:
         valid_B1S1 = _valid_rows(seqlens_q, q.shape[2])
         out.mul_(valid_B1S1)
@@ -186,9 +224,9 @@ def _valid_rows(seqlens_q, s_q: int) -> torch.Tensor:
 def _forward_cuda(q, k, v, sinks, seqlens_q, seqlens_kv, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, scale, window_left,
                   window_right, bottom_right, need_lse):  # fmt: skip
     q, k, v = _aligned(q, "q"), _aligned(k, "k"), _aligned(v, "v")
-    graph = _graph_for("forward", q, k, v, sinks is not None, seqlens_q is not None, cu_seqlens_q, max_seqlen_q, max_seqlen_kv, scale,
-                       window_left, window_right, bottom_right, need_lse, False)  # fmt: skip
-    out, lse = _run_forward(graph, q, k, v, sinks, seqlens_q, seqlens_kv, cu_seqlens_q, cu_seqlens_kv, need_lse)
+    plan = _forward_plan(q, k, v, sinks is not None, seqlens_q is not None, cu_seqlens_q, max_seqlen_q, max_seqlen_kv, scale, window_left,
+                         window_right, bottom_right, need_lse)  # fmt: skip
+    out, lse = _run_forward(plan, q, k, v, sinks, seqlens_q, seqlens_kv, cu_seqlens_q, cu_seqlens_kv, need_lse)
     return out, lse if lse is not None else _no_lse(q)
 
 
@@ -275,14 +313,14 @@ def _backward_formula(ctx, grad_out, _grad_lse):
 torch.library.register_autograd("cudnn_attention::forward", _backward_formula, setup_context=_setup_context, lib=_lib)
 
 
-def cudnn_forward(graph, q, k, v, *, sinks, seqlens_q, seqlens_kv, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, scale, mask,
+def cudnn_forward(plan, q, k, v, *, sinks, seqlens_q, seqlens_kv, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, scale, mask,
                   need_lse, needs_grad):  # fmt: skip
     """Run the forward: through the op (differentiable, traceable), or, for a plain eager call
-    that needs no gradient, straight into the already resolved ``graph`` (the dispatcher and
+    that needs no gradient, straight into the already resolved ``plan`` (the dispatcher and
     autograd layers cost more host time than the kernel launch itself)."""
-    if graph is not None and not needs_grad and not torch._C._len_torch_dispatch_stack():
+    if plan is not None and not needs_grad and not torch._C._len_torch_dispatch_stack():
         q, k, v = _aligned(q, "q"), _aligned(k, "k"), _aligned(v, "v")
-        return _run_forward(graph, q, k, v, sinks, seqlens_q, seqlens_kv, cu_seqlens_q, cu_seqlens_kv, need_lse)
+        return _run_forward(plan, q, k, v, sinks, seqlens_q, seqlens_kv, cu_seqlens_q, cu_seqlens_kv, need_lse)
     return torch.ops.cudnn_attention.forward(
         q, k, v, sinks, seqlens_q, seqlens_kv, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, scale,
         mask.left, mask.right, mask.bottom_right, need_lse,

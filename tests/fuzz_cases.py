@@ -119,7 +119,8 @@ def _draw_family(seed: int, family: int, profile: str) -> dict:
 
 def _doc_lengths(r: random.Random, docs: int, bound: int, total: int) -> list[int]:
     """``docs`` lengths in ``[0, bound]`` summing to at most ``total``: empty and length-1 documents included."""
-    lengths = [r.choices([0, 1, bound, r.randint(0, bound)], weights=[1, 1, 2, 6])[0] for _ in range(docs)]
+    # min(): with bound 0 (every document empty) a length of 1 would be invalid input, not a case.
+    lengths = [min(bound, r.choices([0, 1, bound, r.randint(0, bound)], weights=[1, 1, 2, 6])[0]) for _ in range(docs)]
     order = list(range(docs))
     r.shuffle(order)
     for i in itertools.cycle(order):

@@ -179,12 +179,14 @@ def reference_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_
 # ----------------------------------------------------------------------------------------------
 
 
-def compare_tensors(name: str, got, ref, lowp, *, floor_rel: float, magnitude: float = 0.0) -> dict:
+def compare_tensors(name: str, got, ref, lowp, *, floor_rel: float, magnitude: float = 0.0, flash=None) -> dict:
     """FlashAttention's rule: ``max|got - ref| <= 2 * max|lowp - ref| + floor_rel * max(max|ref|, magnitude)``.
 
     ``magnitude`` keeps the floor meaningful where the reference is exactly zero although the kernel
     does real arithmetic (dQ and dK when each row sees one key: ``P (dP - D)`` cancels to zero only
-    in exact math); gradients pass the magnitude of the output gradient that drives them.
+    in exact math); gradients pass the magnitude of the output gradient that drives them. ``flash``,
+    when given, is a second low-precision estimate (the flash-style dSink, see
+    :func:`flash_style_dsinks`), and the larger of the two errors sets the noise level.
 
     NaN and infinite entries must sit where the reference has them (same sign); the rule applies to
     the finite rest. Returns ``{"name", "ok", "err", "bound", "why"}``.
@@ -207,6 +209,9 @@ def compare_tensors(name: str, got, ref, lowp, *, floor_rel: float, magnitude: f
     base = (lowp[lowp_finite] - ref[lowp_finite]).abs().max().item() if lowp_finite.any() else 0.0
     if not lowp_finite.all():  # the low-precision math overflowed: no meaningful noise estimate there
         base = max(base, ref.abs().max().item())
+    if flash is not None:
+        flash = flash.detach().double()[finite]
+        base = max(base, (flash - ref).abs().max().item())
     err = (got - ref).abs().max().item()
     bound = 2 * base + floor_rel * max(ref.abs().max().item(), magnitude)
     ok = err <= bound
@@ -225,6 +230,20 @@ def _exact_zero(name: str, tensor, rows_mask, row_dim: int) -> dict | None:
         return {"name": f"{name}_zero_rows", "ok": False, "err": float(bad.double().abs().nan_to_num(nan=float("inf")).max()), "bound": 0.0,
                 "why": f"{int((picked != 0).sum())} entries of rows that must be exactly zero are not (e.g. {bad.flatten()[0].item():.3g})"}  # fmt: skip
     return None
+
+
+def flash_style_dsinks(out_ref, lse_ref, grad_out, sinks, low_dtype) -> torch.Tensor:
+    """dSink as a fused kernel computes it: ``-sum_rows exp(sink - lse) * rowsum(dO * O)`` with the exact
+    LSE but O rounded to ``low_dtype`` (what any kernel hands its backward), in float64, then rounded to
+    the sinks' dtype. Rounding O alone costs dSink more than the autograd of a low-precision reference
+    in small problems, so this is the fair noise level for dSink (issue 11, item 13)."""
+    o_low = out_ref.detach().to(low_dtype).double()
+    lse = lse_ref.detach().double()
+    sinks_view = sinks.detach().double().view(1, -1, 1) if lse.dim() == 3 else sinks.detach().double().view(1, -1)
+    weight = torch.where(torch.isfinite(lse), torch.exp(sinks_view - lse), torch.zeros_like(lse))
+    row_dot = (grad_out.double() * o_low).sum(-1)
+    reduce_dims = (0, 2) if lse.dim() == 3 else (0,)
+    return (-(weight * row_dot).sum(reduce_dims)).to(sinks.dtype)
 
 
 def evaluate_call(api: str, args: tuple, kwargs: dict, *, grads: bool = True, floor_rel: float | None = None, grad_seed: int = 0) -> dict:
@@ -286,7 +305,8 @@ def evaluate_call(api: str, args: tuple, kwargs: dict, *, grads: bool = True, fl
         want = ref[name] if ref[name] is not None else torch.zeros(got[name].shape if got[name] is not None else (), dtype=torch.float64)
         base = lowp[name] if lowp[name] is not None else torch.zeros_like(want)
         magnitude = grad_out.abs().max().item() if name.startswith("d") and grad_out.numel() else 0.0
-        checks.append(compare_tensors(name, got[name], want, base, floor_rel=floor_rel, magnitude=magnitude))
+        flash = flash_style_dsinks(ref["out"], ref["lse"], grad_out, sinks, low) if name == "dsinks" else None
+        checks.append(compare_tensors(name, got[name], want, base, floor_rel=floor_rel, magnitude=magnitude, flash=flash))
     # Structurally zero rows must be exactly zero: rows that see no key (out, dq), keys no row sees (dk, dv).
     row_dim = 0 if api != "dense" else 2
     for name, mask_name in (("out", "zero_q"), ("dq", "zero_q"), ("dk", "zero_kv"), ("dv", "zero_kv")):

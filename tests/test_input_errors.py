@@ -63,7 +63,7 @@ def test_dense_option_errors(kwargs, error, pattern):
         (lambda a: {**a, "cu_seqlens_kv": torch.tensor([0, 6], dtype=torch.int32)}, ValueError, r"different batch sizes: 2 and 1"),
         (lambda a: {**a, "max_seqlen_q": -1}, ValueError, r"max_seqlen_q must be >= 0, got -1"),
         # CPU prefix sums are checked even without validate=True (it costs no device sync there).
-        (lambda a: {**a, "max_seqlen_q": 0}, ValueError, r"has 4 tokens, more than max_seqlen 0"),
+        (lambda a: {**a, "max_seqlen_q": 0}, ValueError, r"has 4 tokens, more than max_seqlen_q 0"),
         (lambda a: {**a, "cu_seqlens_kv": torch.tensor([0, 4, 2], dtype=torch.int32)}, ValueError, r"cu_seqlens_kv must be non-decreasing"),
         (lambda a: {**a, "cu_seqlens_q": torch.tensor([0, 2, 9], dtype=torch.int32)}, ValueError, r"cu_seqlens_q\[-1\] = 9 exceeds"),
         (lambda a: {**a, "q": a["q"][..., :0], "k": a["k"][..., :0]}, ValueError, r"head dim must be >= 1, got q/k head dim 0"),
@@ -74,7 +74,7 @@ def test_dense_option_errors(kwargs, error, pattern):
         (lambda a: {**a, "cu_seqlens_q": torch.tensor([0, 2, 9], dtype=torch.int32), "validate": True}, ValueError,
          r"cu_seqlens_q\[-1\] = 9 exceeds the 6 packed tokens"),
         (lambda a: {**a, "cu_seqlens_q": torch.tensor([1, 2, 6], dtype=torch.int32), "validate": True}, ValueError, r"must start at 0, got 1"),
-        (lambda a: {**a, "max_seqlen_q": 3, "validate": True}, ValueError, r"has 4 tokens, more than max_seqlen 3"),
+        (lambda a: {**a, "max_seqlen_q": 3, "validate": True}, ValueError, r"has 4 tokens, more than max_seqlen_q 3"),
     ],
 )
 def test_varlen_errors(mutate, error, pattern):
