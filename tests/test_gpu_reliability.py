@@ -179,3 +179,14 @@ def test_prefix_sum_check_does_not_synchronize():
         out.sum().backward()
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_single_query_with_sinks_stays_on_cudnn(padded):
+    # cuDNN 9.19's sink engine declines s_q == 1 (every gpt-oss decode step); the sink-less graph and the LSE fold serve it.
+    torch.manual_seed(5)
+    q = torch.randn(2, 4, 1, 64, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(2, 2, 77, 64, device=DEVICE, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    sinks = torch.randn(4, device=DEVICE, requires_grad=True)
+    lengths = (None, torch.tensor([77, 30], device=DEVICE)) if padded else (None, None)
+    _check_dense(dict(causal=True, bottom_right=True), q, k, v, sinks, lengths)
