@@ -184,6 +184,28 @@ def test_position_ids_not_starting_at_zero_within_bf16_noise(name):
     assert_within_lowp_noise(f"{name} position_ids", logits["cudnn", torch.bfloat16], logits["eager", torch.float32], logits["eager", torch.bfloat16])
 
 
+def assert_greedy_within_bf16_noise(what, got, eager, ref, prompt_len):
+    """Greedy generations (``generate(..., return_dict_in_generate=True, output_logits=True)``) of cuDNN in bf16 (``got``),
+    eager in bf16 (``eager``) and eager in fp32 (``ref``). While the three share a context, each step's logits must sit
+    within bf16 noise of fp32 (the suite's rule); a token that differs from eager's is accepted only where eager's own
+    bf16 logits are a near tie (the two tokens' margin within that noise), after which the contexts differ and the
+    comparison ends. Exact token equality would fail on any near tie, whichever kernel is right."""
+    for step, (got_logits, eager_logits, ref_logits) in enumerate(zip(got.logits, eager.logits, ref.logits)):
+        context = prompt_len + step
+        if not (torch.equal(got.sequences[:, :context], eager.sequences[:, :context]) and torch.equal(eager.sequences[:, :context], ref.sequences[:, :context])):
+            break
+        assert_within_lowp_noise(f"{what} step {step} logits", got_logits, ref_logits.float(), eager_logits)
+        got_tokens, eager_tokens = got.sequences[:, context], eager.sequences[:, context]
+        if not torch.equal(got_tokens, eager_tokens):
+            noise = 2 * (eager_logits.float() - ref_logits.float()).abs().max() + 1e-3 * ref_logits.float().abs().max()
+            rows = (got_tokens != eager_tokens).nonzero().view(-1)
+            margin = eager_logits.float()[rows, eager_tokens[rows]] - eager_logits.float()[rows, got_tokens[rows]]
+            assert (margin <= noise).all(), f"{what} step {step}: token {got_tokens[rows].tolist()} instead of {eager_tokens[rows].tolist()}, margin {margin.tolist()} > noise {noise.item():.3g}"
+            break
+    else:
+        assert torch.equal(got.sequences, eager.sequences), what
+
+
 @pytest.mark.parametrize("name", MODELS)
 @pytest.mark.parametrize("cache_implementation", [None, "static"])
 def test_greedy_generation_after_right_padding_matches_eager(name, cache_implementation):
@@ -194,9 +216,12 @@ def test_greedy_generation_after_right_padding_matches_eager(name, cache_impleme
     # here (FlashAttention's convention) while eager's additive mask averages every value in the cache there.
     mask[0, -3:] = 0
     ids[0, -3:] = 0
-    kwargs = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0, cache_implementation=cache_implementation)
-    expected = gpu_model(name, "eager").generate(ids, **kwargs)
-    assert torch.equal(gpu_model(name, "cudnn").generate(ids, **kwargs), expected)
+    kwargs = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0, cache_implementation=cache_implementation,
+                  return_dict_in_generate=True, output_logits=True)  # fmt: skip
+    runs = {(impl, dtype): gpu_model(name, impl, dtype).generate(ids, **kwargs)
+            for impl, dtype in (("cudnn", torch.bfloat16), ("eager", torch.bfloat16), ("eager", torch.float32))}  # fmt: skip
+    assert_greedy_within_bf16_noise(f"{name} {cache_implementation}", runs["cudnn", torch.bfloat16], runs["eager", torch.bfloat16],
+                                    runs["eager", torch.float32], ids.shape[1])  # fmt: skip
 
 
 @pytest.mark.parametrize("name", ["llama", "mistral", "gpt_oss"])
