@@ -250,11 +250,11 @@ def _packing_from_position_ids(position_ids, batch: int, q_len: int, kv_len: int
     position_T = position_ids.reshape(-1)
     starts_T = torch.ones_like(position_T, dtype=torch.bool)
     starts_T[1:] = position_T[1:] != position_T[:-1] + 1
-    first_tokens = starts_T.nonzero().view(-1)  # the host read
+    bounds = starts_T.nonzero().view(-1).tolist() + [position_T.numel()]  # the one host read
     packing = None
-    if first_tokens.numel() > 1:
-        cu = torch.cat([first_tokens, first_tokens.new_full((1,), position_T.numel())]).to(torch.int32)
-        longest = int((cu[1:] - cu[:-1]).max())
+    if len(bounds) > 2:
+        cu = torch.tensor(bounds, dtype=torch.int32, device=position_ids.device)
+        longest = max(end - start for start, end in zip(bounds, bounds[1:]))
         packing = ((cu, cu), (longest, longest))
     position_ids._cudnn_attention_packing = (position_ids._version, packing)
     return packing
