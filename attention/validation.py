@@ -183,7 +183,7 @@ def check_prefix_sums(
     if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
         return
     key = (total_q, total_kv, max_seqlen_q, max_seqlen_kv, cover_all, id(cu_seqlens_kv), cu_seqlens_kv._version)
-    if getattr(cu_seqlens_q, "_cudnn_attention_checked", None) == (key, cu_seqlens_q._version):
+    if _already_checked(cu_seqlens_q, key):
         return
     ok = None
     for cu, total, max_seqlen in ((cu_seqlens_q, total_q, max_seqlen_q), (cu_seqlens_kv, total_kv, max_seqlen_kv)):
@@ -193,7 +193,23 @@ def check_prefix_sums(
         ok = side_ok if ok is None else ok & side_ok
     torch._assert_async(ok, f"cudnn_attention: invalid {names[0]}/{names[1]}: they must start at 0, never decrease, end "
                             f"{'at' if cover_all else 'within'} the token count, and hold no document longer than {names[2]}/{names[3]}")  # fmt: skip
-    cu_seqlens_q._cudnn_attention_checked = (key, cu_seqlens_q._version)
+    _remember_checked(cu_seqlens_q, key)
+
+
+def _already_checked(cu_seqlens_q, key: tuple) -> bool:
+    checked = getattr(cu_seqlens_q, "_cudnn_attention_checked", None)
+    return checked is not None and checked.get(key) == cu_seqlens_q._version
+
+
+def _remember_checked(cu_seqlens_q, key: tuple) -> None:
+    """Keep every check queued for this tensor version: the transformers layer's ``cover_all`` check and the
+    core's that follows it in every layer would otherwise evict each other and run in every layer. A
+    ``cover_all`` check also implies the plain one with the same bounds."""
+    checked = getattr(cu_seqlens_q, "_cudnn_attention_checked", None) or {}
+    checked[key] = cu_seqlens_q._version
+    if key[4]:
+        checked[key[:4] + (False,) + key[5:]] = cu_seqlens_q._version
+    cu_seqlens_q._cudnn_attention_checked = checked
 
 
 def validate_cu_seqlens(cu_seqlens, name: str, total: int, max_seqlen: int, *, max_name: str = "max_seqlen", cover_all: bool = False) -> None:
