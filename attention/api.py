@@ -89,7 +89,7 @@ def attention(
     needs_grad = _needs_grad(q, k, v, sinks)
     need_lse = return_lse or needs_grad
 
-    if _is_empty(q, k):
+    if validation.nothing_to_compute(q, k):
         out, lse = dense_reference(q, k, v, scale=scale, mask=mask, sinks_H=sinks, seqlens_q_B=seqlens_q, seqlens_kv_B=seqlens_kv)
         return (out, lse) if return_lse else out
     plan, reason = resolve_cudnn(
@@ -153,7 +153,7 @@ def varlen_attention(
     validation.check_prefix_sums(cu_seqlens_q, cu_seqlens_kv, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_kv, validate=validate)
     needs_grad = _needs_grad(q, k, v, sinks)
     need_lse = return_lse or needs_grad
-    if _is_empty(q, k) or max_seqlen_q == 0 or max_seqlen_kv == 0:
+    if validation.nothing_to_compute(q, k, max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv):
         out, lse = varlen_reference(
             q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, scale=scale, mask=mask, sinks_H=sinks
         )
@@ -179,8 +179,3 @@ def varlen_attention(
         )
         out = fallback_output(out, reason, needs_grad=needs_grad)
     return (out, lse) if return_lse else out
-
-
-def _is_empty(q: torch.Tensor, k: torch.Tensor) -> bool:
-    # Nothing to compute: the exact path returns the (empty or zero) result without a kernel, and is not a fallback.
-    return q.numel() == 0 or k.numel() == 0

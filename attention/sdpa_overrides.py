@@ -68,7 +68,7 @@ def _resolve(q, k, v, *, cu_seqlens_q, cu_seqlens_kv, max_q, max_kv, is_causal, 
         validation.check_cu_seqlens(cu_seqlens_q, cu_seqlens_kv, max_q, max_kv, q.device)
     q, scale = validation.positive_scale(q, validation.resolve_scale(scale, q.shape[-1]))
     mask = make_mask_spec(causal=is_causal, bottom_right=bottom_right, window_size=window_size)
-    if q.numel() == 0 or k.numel() == 0 or (packed and (max_q == 0 or max_kv == 0)):
+    if validation.nothing_to_compute(q, k, max_seqlen_q=max_q, max_seqlen_kv=max_kv):
         return q, k, v, scale, mask, "empty inputs"
     _graph, reason = resolve_cudnn(
         q, k, v, has_sinks=False, padded=False, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_q, max_seqlen_kv=max_kv, scale=scale,

@@ -17,6 +17,7 @@ __all__ = [
     "check_qkv",
     "check_seqlens",
     "check_sinks",
+    "nothing_to_compute",
     "positive_scale",
     "resolve_scale",
     "validate_cu_seqlens",
@@ -86,6 +87,12 @@ def resolve_scale(scale, head_dim: int) -> float:
     if not math.isfinite(scale):
         raise ValueError(f"scale must be finite, got {scale}")
     return float(scale)
+
+
+def nothing_to_compute(q: torch.Tensor, k: torch.Tensor, *, max_seqlen_q: int | None = None, max_seqlen_kv: int | None = None) -> bool:
+    """Whether the call has no work: an empty q or k, or (packed) every document of one side empty.
+    The exact path then returns the empty or zero result without a kernel; it is not a fallback."""
+    return q.numel() == 0 or k.numel() == 0 or max_seqlen_q == 0 or max_seqlen_kv == 0
 
 
 def positive_scale(q: torch.Tensor, scale: float) -> tuple[torch.Tensor, float]:

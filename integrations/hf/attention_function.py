@@ -133,8 +133,9 @@ def _last_query(query_BH1D, key, value, keep_BK, written, reach, *, scale, sinks
     window, in absolute positions, so gaps are exact), or all kept keys. One query's window is a
     set of keys, so no band is needed: those keys are compacted and attended without a mask.
     ``compact_kv``: (k, v, lengths) of every kept key, already gathered by the caller. A padded
-    query with no kept key in its window reads zero (eager's additive mask averages every value
-    then: a degenerate row nobody reads, e.g. more trailing padding than the window)."""
+    query with no kept key in its window reads zero, where eager's additive mask averages every
+    value of the cache: generate reads that row when a right-padded prompt ends with more padding
+    than the window (documented in the README as the one difference from eager)."""
     if reach is not None:
         first = torch.sym_max(written - reach, 0)
         keep_BK, key, value = keep_BK[:, first:written], key[:, :, first:written], value[:, :, first:written]
