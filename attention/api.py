@@ -9,13 +9,14 @@ from __future__ import annotations
 import torch
 
 from . import validation
+from .call import AttentionCall
 from .cudnn_ops import cudnn_forward, resolve_cudnn
 from .layouts import token_major
 from .masking import effective_lengths, make_mask_spec
 from .policy import fallback_output, note_fallback
 from .reference import dense_reference, varlen_reference
 
-__all__ = ["attention", "varlen_attention"]
+__all__ = ["attention", "serve", "varlen_attention"]
 
 
 def _needs_grad(q, k, v, sinks) -> bool:
@@ -87,25 +88,8 @@ def attention(
             S_q, S_kv,
         )  # fmt: skip
     needs_grad = _needs_grad(q, k, v, sinks)
-    need_lse = return_lse or needs_grad
-
-    if validation.nothing_to_compute(q, k):
-        out, lse = dense_reference(q, k, v, scale=scale, mask=mask, sinks_H=sinks, seqlens_q_B=seqlens_q, seqlens_kv_B=seqlens_kv)
-        return (out, lse) if return_lse else out
-    plan, reason = resolve_cudnn(
-        q, k, v, has_sinks=sinks is not None, padded=padded, cu_seqlens_q=None, max_seqlen_q=S_q, max_seqlen_kv=S_kv,
-        scale=scale, left=mask.left, right=mask.right, bottom_right=mask.bottom_right, need_lse=need_lse, needs_grad=needs_grad,
-    )  # fmt: skip
-    if reason is None:
-        out, lse = cudnn_forward(
-            plan, q, k, v, sinks=None if sinks is None else sinks.to(torch.float32), seqlens_q=seqlens_q, seqlens_kv=seqlens_kv,
-            cu_seqlens_q=None, cu_seqlens_kv=None, max_seqlen_q=S_q, max_seqlen_kv=S_kv, scale=scale, mask=mask, need_lse=need_lse,
-            needs_grad=needs_grad,
-        )  # fmt: skip
-    else:
-        note_fallback("forward", reason)  # raises in strict mode, before any work
-        out, lse = dense_reference(q, k, v, scale=scale, mask=mask, sinks_H=sinks, seqlens_q_B=seqlens_q, seqlens_kv_B=seqlens_kv)
-        out = fallback_output(out, reason, needs_grad=needs_grad)
+    call = AttentionCall(False, padded, 0, S_q, S_kv, scale, mask, sinks is not None, return_lse or needs_grad, needs_grad)
+    out, lse = serve(call, q, k, v, sinks=sinks, seqlens_q=seqlens_q, seqlens_kv=seqlens_kv, cu_seqlens_q=None, cu_seqlens_kv=None)
     return (out, lse) if return_lse else out
 
 
@@ -152,30 +136,33 @@ def varlen_attention(
     sinks = validation.check_sinks(sinks, q, q.shape[1])
     validation.check_prefix_sums(cu_seqlens_q, cu_seqlens_kv, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_kv, validate=validate)
     needs_grad = _needs_grad(q, k, v, sinks)
-    need_lse = return_lse or needs_grad
-    if validation.nothing_to_compute(q, k, max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv):
-        out, lse = varlen_reference(
-            q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, scale=scale, mask=mask, sinks_H=sinks
-        )
-        return (out, lse) if return_lse else out
     if needs_grad:
         q, k, v = (token_major(t) for t in (q, k, v))  # see token_major: cuDNN's packed backward needs it
-
-    plan, reason = resolve_cudnn(
-        q, k, v, has_sinks=sinks is not None, padded=False, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q,
-        max_seqlen_kv=max_seqlen_kv, scale=scale, left=mask.left, right=mask.right, bottom_right=mask.bottom_right,
-        need_lse=need_lse, needs_grad=needs_grad,
-    )  # fmt: skip
-    if reason is None:
-        out, lse = cudnn_forward(
-            plan, q, k, v, sinks=None if sinks is None else sinks.to(torch.float32), seqlens_q=None, seqlens_kv=None,
-            cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv, max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv,
-            scale=scale, mask=mask, need_lse=need_lse, needs_grad=needs_grad,
-        )  # fmt: skip
-    else:
-        note_fallback("forward", reason)
-        out, lse = varlen_reference(
-            q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, scale=scale, mask=mask, sinks_H=sinks
-        )
-        out = fallback_output(out, reason, needs_grad=needs_grad)
+    call = AttentionCall(
+        True, False, cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_kv, scale, mask, sinks is not None, return_lse or needs_grad, needs_grad
+    )
+    out, lse = serve(call, q, k, v, sinks=sinks, seqlens_q=None, seqlens_kv=None, cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv)
     return (out, lse) if return_lse else out
+
+
+def serve(call: AttentionCall, q, k, v, *, sinks, seqlens_q, seqlens_kv, cu_seqlens_q, cu_seqlens_kv):
+    """``(out, lse)`` for a validated call: cuDNN when it can serve it, else the exact path, counted
+    and warned about once per reason (and refused in strict mode). An empty call is no fallback."""
+    empty = validation.nothing_to_compute(q, k, max_seqlen_q=call.max_seqlen_q, max_seqlen_kv=call.max_seqlen_kv)
+    plan, reason = (None, None) if empty else resolve_cudnn(q, k, v, call)
+    if not empty and reason is None:
+        return cudnn_forward(
+            plan, call, q, k, v, sinks=None if sinks is None else sinks.to(torch.float32), seqlens_q=seqlens_q, seqlens_kv=seqlens_kv,
+            cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv,
+        )  # fmt: skip
+    if reason is not None:
+        note_fallback("forward", reason, caller_depth=2)  # raises in strict mode, before any work
+    if call.packed:
+        out, lse = varlen_reference(
+            q, k, v, cu_seqlens_q, cu_seqlens_kv, call.max_seqlen_q, call.max_seqlen_kv, scale=call.scale, mask=call.mask, sinks_H=sinks
+        )
+    else:
+        out, lse = dense_reference(q, k, v, scale=call.scale, mask=call.mask, sinks_H=sinks, seqlens_q_B=seqlens_q, seqlens_kv_B=seqlens_kv)
+    if reason is not None:
+        out = fallback_output(out, reason, needs_grad=call.needs_grad)
+    return out, lse

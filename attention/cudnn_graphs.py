@@ -9,6 +9,7 @@ public ``pygraph.execute``); set ``CUDNN_ATTENTION_PUBLIC_EXECUTE=1`` to force t
 
 from __future__ import annotations
 
+import atexit
 import os
 import threading
 import time
@@ -17,10 +18,11 @@ from typing import NamedTuple
 
 import torch
 
+from . import _compat
 from .masking import MaskSpec
 from .policy import note_graph_build
 
-__all__ = ["GraphRejected", "GraphSpec", "clear_cache", "execute", "frontend_unavailable_reason", "get_graph", "graph_for_call"]
+__all__ = ["GraphRejected", "GraphSpec", "built_plans", "clear_cache", "execute", "frontend_unavailable_reason", "get_graph", "graph_for_call"]
 
 _CACHE_CAPACITY = 512
 
@@ -71,12 +73,13 @@ class _UID:
 class CompiledGraph:
     """A built graph plus what a call needs: operand uids in call order and ragged offset columns."""
 
-    __slots__ = ("graph", "workspace_size", "uids", "ragged_columns", "lowered", "cpp_index", "batch", "out_strides")
+    __slots__ = ("graph", "workspace_size", "uids", "ragged_columns", "lowered", "cpp_index", "batch", "out_strides", "grad_strides")
 
     def __init__(self, spec: GraphSpec, graph, workspace_size, uids, ragged_columns):
         self.graph = graph
         self.batch = spec.batch  # packed: the bucketed document count the offsets are padded to
         self.out_strides = None if spec.packed else spec.o_strides  # dense: O's strides, decided once
+        self.grad_strides = None if spec.packed else spec.grad_strides  # dense backward: dQ/dK/dV strides, decided once
         self.workspace_size = workspace_size
         self.uids = uids
         # ((side, token_stride), ...): each column is cu_seqlens_<side> * token_stride, in uid order.
@@ -84,14 +87,11 @@ class CompiledGraph:
         self.lowered = None
         self.cpp_index = None
         if os.environ.get("CUDNN_ATTENTION_PUBLIC_EXECUTE", "0") != "1" and graph.selected_engine is None:
-            lowered = getattr(graph, "_lowered_graph", None)
-            plan = graph._materialize_backend_plan(graph._plan_index) if graph._plans else None
-            if lowered is not None and plan is not None and plan.cpp_index is not None and hasattr(lowered, "_execute_plan_at_index"):
-                self.lowered, self.cpp_index = lowered, plan.cpp_index
+            self.lowered, self.cpp_index = _compat.lowered_plan(graph) or (None, None)
 
     @property
     def plan_name(self) -> str:
-        return self.graph.get_plan_name_at_index(self.graph._plan_index)
+        return _compat.selected_plan_name(self.graph)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -136,7 +136,7 @@ def _bound_handle(device_index: int):
     if entry is None:
         with torch.cuda.device(device_index):
             entry = handles[device_index] = [_load_frontend().create_handle(), None]
-    stream = torch._C._cuda_getCurrentRawStream(device_index)
+    stream = _compat.current_raw_stream(device_index)
     if entry[1] != stream:
         _frontend.set_stream(handle=entry[0], stream=stream)
         entry[1] = stream
@@ -147,16 +147,24 @@ def _bound_handle(device_index: int):
 # Cache
 # ----------------------------------------------------------------------------------------------
 
-_cache: OrderedDict = OrderedDict()  # GraphSpec -> CompiledGraph | GraphRejected
+_cache: OrderedDict = OrderedDict()  # GraphSpec -> CompiledGraph | GraphRejected; the one bound (FIFO)
 _build_lock = threading.Lock()
-# Raw call signature (shapes, strides, options as the caller passed them) -> the same entries.
-# Deriving a GraphSpec costs a few microseconds; a signature is a handful of attribute reads.
+# Raw call signature (shapes, strides, the call value) -> the same entries, so a steady-state call
+# skips deriving a GraphSpec (a few microseconds). Signatures are dropped with their spec: an
+# evicted graph is released, and the memo never outgrows the cache.
 _by_call: dict = {}
-_CALL_MEMO_CAPACITY = 4096
+_signatures: dict = {}  # GraphSpec -> [signature, ...] that resolve to it
 
 
 def get_graph(spec: GraphSpec) -> CompiledGraph:
     """The compiled graph for ``spec``, building it on first use. Raises :class:`GraphRejected`."""
+    entry = _cached_or_built(spec)
+    if type(entry) is GraphRejected:
+        raise entry
+    return entry
+
+
+def _cached_or_built(spec: GraphSpec):
     entry = _cache.get(spec)
     if entry is None:
         with _build_lock:
@@ -171,9 +179,9 @@ def get_graph(spec: GraphSpec) -> CompiledGraph:
                 note_graph_build(spec.direction, time.perf_counter() - start)
                 _cache[spec] = entry
                 while len(_cache) > _CACHE_CAPACITY:
-                    _cache.popitem(last=False)
-    if type(entry) is GraphRejected:
-        raise entry
+                    evicted, _ = _cache.popitem(last=False)
+                    for signature in _signatures.pop(evicted, ()):
+                        _by_call.pop(signature, None)
     return entry
 
 
@@ -181,16 +189,20 @@ def graph_for_call(signature: tuple, make_spec) -> CompiledGraph:
     """:func:`get_graph` behind a memo keyed by a cheap call ``signature``; ``make_spec()`` runs on a miss."""
     entry = _by_call.get(signature)
     if entry is None:
-        try:
-            entry = get_graph(make_spec())
-        except GraphRejected as rejected:
-            entry = rejected
-        if len(_by_call) >= _CALL_MEMO_CAPACITY:
-            _by_call.clear()
-        _by_call[signature] = entry
+        spec = make_spec()
+        entry = _cached_or_built(spec)
+        with _build_lock:
+            if spec in _cache:  # not evicted meanwhile
+                _by_call[signature] = entry
+                _signatures.setdefault(spec, []).append(signature)
     if type(entry) is GraphRejected:
         raise entry
     return entry
+
+
+def built_plans() -> list[tuple[str, str]]:
+    """``(direction, engine plan name)`` of every graph in the cache, oldest first (benchmarks report them)."""
+    return [(spec.direction, entry.plan_name) for spec, entry in list(_cache.items()) if isinstance(entry, CompiledGraph)]
 
 
 def clear_cache() -> None:
@@ -198,6 +210,21 @@ def clear_cache() -> None:
     with _build_lock:
         _cache.clear()
         _by_call.clear()
+        _signatures.clear()
+
+
+def _release_at_exit() -> None:
+    """Drop every frontend object this package holds (graphs, handles) while the interpreter still
+    runs: the frontend's nanobind bindings print a leak report of hundreds of lines at exit for any
+    instance still alive when its module is torn down. Other threads' handles die with their threads."""
+    clear_cache()
+    _thread_state.__dict__.pop("handles", None)
+    import gc
+
+    gc.collect()
+
+
+atexit.register(_release_at_exit)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -321,8 +348,6 @@ def execute(graph: CompiledGraph, operands: list, device_index: int) -> None:
     workspace = torch.empty(graph.workspace_size, dtype=torch.uint8, device=operands[0].device) if graph.workspace_size else None
     if graph.lowered is not None:
         pointers = {uid: t.data_ptr() for uid, t in zip(graph.uids, operands)}
-        graph.lowered._execute_plan_at_index(
-            pointers, workspace.data_ptr() if workspace is not None else 0, graph.cpp_index, handle.backend_handle, None, None, None
-        )
+        _compat.execute_lowered(graph.lowered, pointers, workspace.data_ptr() if workspace is not None else 0, graph.cpp_index, handle.backend_handle)
     else:
         graph.graph.execute(operands, workspace, handle=handle, tensor_uids=graph.uids)

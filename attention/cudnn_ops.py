@@ -5,22 +5,32 @@ more per call), with fake kernels that allocate through the same helpers as the 
 an autograd formula, so the ops work under ``torch.compile(fullgraph=True)`` and CUDA-graph
 capture. Nothing here reads a device value back to the host.
 
-Sinks: the forward folds ``exp(sink_h)`` into cuDNN's softmax denominator, so its LSE includes the
-sink. The ordinary cuDNN backward fed that LSE recomputes the right probabilities for dQ/dK/dV, and
-``dSink_h = -sum_rows exp(sink_h - lse_row) * rowsum(dO * O)_row``.
+Sinks: the forward runs the sink-less kernel and folds ``exp(sink_h)`` into its output and LSE
+(:func:`~cudnn_attention.fused_sinks.fold_sinks`; ``SINK_FORWARD = "engine"`` uses cuDNN's sink
+engine instead), so the LSE includes the sink. The ordinary cuDNN backward fed that LSE recomputes
+the right probabilities for dQ/dK/dV, and ``dSink_h = -sum_rows exp(sink_h - lse_row) * rowsum(dO * O)_row``.
+
+A plain eager call skips the dispatcher (:class:`_EagerAttention`); ``torch.compile``, dispatch
+modes and tensor subclasses see the ops.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+from typing import NamedTuple
 
 import torch
 
-from .cudnn_graphs import GraphRejected, GraphSpec, execute, frontend_unavailable_reason, graph_for_call
+from . import _compat
+from .call import AttentionCall
+from .cudnn_graphs import CompiledGraph, GraphRejected, GraphSpec, execute, frontend_unavailable_reason, graph_for_call
+from .fused_sinks import fold_sinks, sink_gradient
 from .layouts import MIN_SEQ_BUCKET, allocate_backward_outputs, allocate_forward_outputs, like_layout_strides, packed_bounds, shape_bucket, thd_descriptor_strides
+from .masking import MaskSpec
 from .policy import count_cudnn
 
-__all__ = ["cudnn_forward", "fold_sinks", "resolve_cudnn"]
+__all__ = ["Plan", "SINK_FORWARD", "cudnn_forward", "fold_sinks", "resolve_cudnn"]
 
 _logger = logging.getLogger(__name__)
 
@@ -28,64 +38,63 @@ _logger = logging.getLogger(__name__)
 # Specs
 # ----------------------------------------------------------------------------------------------
 
+# How the sink forward runs: "fold" (the sink-less kernel, then one elementwise fold of its LSE, see
+# :func:`fold_sinks`) or "engine" (cuDNN's sink engine, which declines single-query rows). The fold
+# is the default because it is the faster of the two on an H200 (cuDNN 9.19; figures in the README).
+SINK_FORWARD = os.environ.get("CUDNN_ATTENTION_SINK_FORWARD", "fold")
 
-def _geometry(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_kv):
+
+class Plan(NamedTuple):
+    """The graphs that serve one call, resolved once and handed to the kernels."""
+
+    forward: CompiledGraph
+    backward: CompiledGraph | None  # built up front when gradients will be needed
+    folds_sinks: bool  # the forward graph is sink-less and the sinks are folded in afterwards
+    deterministic: bool  # what the backward graph was resolved for
+
+
+def _geometry(q, k, v, call: AttentionCall):
     """(batch, seq_q, seq_kv, q/k/v descriptor strides, o strides) for either layout."""
-    if cu_seqlens_q is None:
+    if not call.packed:
         B, H, S_q, _ = q.shape
         o_strides = like_layout_strides((B, H, S_q, v.shape[-1]), q)
         return B, S_q, k.shape[2], q.stride(), k.stride(), v.stride(), o_strides
     H, D_v = q.shape[1], v.shape[-1]
-    documents = cu_seqlens_q.numel() - 1
-    batch, S_q = packed_bounds(documents=documents, max_seqlen=max_seqlen_q, tokens=q.shape[0])
-    _, S_kv = packed_bounds(documents=documents, max_seqlen=max_seqlen_kv, tokens=k.shape[0])
+    documents = call.documents
+    batch, S_q = packed_bounds(documents=documents, max_seqlen=call.max_seqlen_q, tokens=q.shape[0])
+    _, S_kv = packed_bounds(documents=documents, max_seqlen=call.max_seqlen_kv, tokens=k.shape[0])
     o_strides = (S_q * H * D_v, D_v, H * D_v, 1)
     return batch, S_q, S_kv, thd_descriptor_strides(q, S_q), thd_descriptor_strides(k, S_kv), thd_descriptor_strides(v, S_kv), o_strides
-
-
-def _spec(direction, q, k, v, *, sinks, padded, cu_seqlens_q, max_seqlen_q, max_seqlen_kv, scale, left, right, bottom_right, need_lse, deterministic):
-    packed = cu_seqlens_q is not None
-    batch, S_q, S_kv, q_s, k_s, v_s, o_s = _geometry(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_kv)
+def _spec(direction, q, k, v, call: AttentionCall, deterministic: bool) -> GraphSpec:
+    batch, S_q, S_kv, q_s, k_s, v_s, o_s = _geometry(q, k, v, call)
     grad_strides = ()
     total_q = total_kv = 0
-    if direction == "backward":
-        if packed:
+    backward = direction == "backward"
+    if backward:
+        if call.packed:
             H, H_kv, D, D_v = q.shape[1], k.shape[1], q.shape[2], v.shape[2]
             grad_strides = ((S_q * H * D, D, H * D, 1), (S_kv * H_kv * D, D, H_kv * D, 1), (S_kv * H_kv * D_v, D_v, H_kv * D_v, 1))
             total_q, total_kv = shape_bucket(q.shape[0], MIN_SEQ_BUCKET), shape_bucket(k.shape[0], MIN_SEQ_BUCKET)
         else:
             grad_strides = tuple(like_layout_strides(tuple(t.shape), t) for t in (q, k, v))
+    mask = call.mask
     return GraphSpec(
         direction, q.device.index, q.dtype, batch, q.shape[1], k.shape[1],
         S_q, S_kv, q.shape[-1], v.shape[-1], tuple(q_s), tuple(k_s), tuple(v_s), tuple(o_s), grad_strides,
-        float(scale), left, right, bottom_right, sinks and direction == "forward", padded, packed,
-        need_lse or direction == "backward", total_q, total_kv, deterministic and direction == "backward",
+        float(call.scale), mask.left, mask.right, mask.bottom_right, call.has_sinks and not backward, call.padded, call.packed,
+        call.need_lse or backward, total_q, total_kv, deterministic and backward,
     )  # fmt: skip
 
 
-def _graph_for(direction, q, k, v, sinks, padded, cu_seqlens_q, max_seqlen_q, max_seqlen_kv, scale, left, right, bottom_right, need_lse,
-               deterministic):  # fmt: skip
-    """The compiled graph serving this call (raises :class:`GraphRejected`). Positional on purpose:
-    it runs on every call, and its signature lookup is the whole steady-state cost."""
-    signature = (
-        direction, q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.get_device(),
-        None if cu_seqlens_q is None else cu_seqlens_q.shape[0], max_seqlen_q, max_seqlen_kv, scale, left, right, bottom_right,
-        sinks, padded, need_lse, deterministic,
-    )  # fmt: skip
-    return graph_for_call(
-        signature,
-        lambda: _spec(
-            direction, q, k, v, sinks=sinks, padded=padded, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q,
-            max_seqlen_kv=max_seqlen_kv, scale=scale, left=left, right=right, bottom_right=bottom_right, need_lse=need_lse,
-            deterministic=deterministic,
-        ),
-    )  # fmt: skip
+def _graph_for(direction: str, q, k, v, call: AttentionCall, deterministic: bool):
+    """The compiled graph serving this call (raises :class:`GraphRejected`). The key is the call
+    value plus the tensors' geometry: a handful of attribute reads, the whole steady-state cost."""
+    signature = (direction, call, q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.get_device(), deterministic)
+    return graph_for_call(signature, lambda: _spec(direction, q, k, v, call, deterministic))
 
 
-def resolve_cudnn(q, k, v, *, has_sinks, padded, cu_seqlens_q, max_seqlen_q, max_seqlen_kv, scale, left, right, bottom_right, need_lse,
-                  needs_grad):  # fmt: skip
-    """``(forward plan, None)`` when cuDNN serves this call, ``(None, reason)`` when it cannot
-    (a plan is what :func:`_forward_plan` returns).
+def resolve_cudnn(q, k, v, call: AttentionCall) -> tuple[Plan | None, str | None]:
+    """``(plan, None)`` when cuDNN serves this call, ``(None, reason)`` when it cannot.
 
     One predicate for both directions: when gradients will be needed the backward graph must
     build too, so a call never starts on cuDNN and finishes elsewhere. Under ``torch.compile``
@@ -102,45 +111,37 @@ def resolve_cudnn(q, k, v, *, has_sinks, padded, cu_seqlens_q, max_seqlen_q, max
     if unavailable is not None:
         return None, unavailable
     try:
-        plan = _forward_plan(q, k, v, has_sinks, padded, cu_seqlens_q, max_seqlen_q, max_seqlen_kv, scale, left, right, bottom_right, need_lse)
-        if needs_grad:
-            _graph_for("backward", q, k, v, has_sinks, padded, cu_seqlens_q, max_seqlen_q, max_seqlen_kv, scale, left, right, bottom_right,
-                       True, torch.are_deterministic_algorithms_enabled())  # fmt: skip
+        return _plan(q, k, v, call, torch.are_deterministic_algorithms_enabled()), None
     except GraphRejected as rejected:
         return None, str(rejected)
-    return plan, None
 
 
-def _forward_plan(q, k, v, has_sinks, padded, cu_seqlens_q, max_seqlen_q, max_seqlen_kv, scale, left, right, bottom_right, need_lse):
-    """``(forward graph, folds_sinks)`` (raises :class:`GraphRejected`).
+def _plan(q, k, v, call: AttentionCall, deterministic: bool) -> Plan:
+    """Raises :class:`GraphRejected`.
 
-    cuDNN's sink engine declines some shapes (9.19: a single query row, ``s_q == 1``, which is every
-    decode step of gpt-oss). The sink-less graph serves those exactly: with its LSE, the sink
-    forward is one elementwise fold (:func:`fold_sinks`), and the backward needs nothing else.
+    Sinks: the sink-less graph plus :func:`fold_sinks` (``SINK_FORWARD = "fold"``), or cuDNN's sink
+    engine, which declines some shapes (9.19: a single query row, ``s_q == 1``, every gpt-oss decode
+    step); those take the fold as well. The backward never needs the sinks in its graph.
     """
-    try:
-        graph = _graph_for("forward", q, k, v, has_sinks, padded, cu_seqlens_q, max_seqlen_q, max_seqlen_kv, scale, left, right, bottom_right,
-                           need_lse, False)  # fmt: skip
-        return graph, False
-    except GraphRejected:
-        if not has_sinks:
-            raise
-    graph = _graph_for("forward", q, k, v, False, padded, cu_seqlens_q, max_seqlen_q, max_seqlen_kv, scale, left, right, bottom_right, True,
-                       False)  # fmt: skip
-    return graph, True
+    forward = None
+    folds = call.has_sinks
+    if call.has_sinks and SINK_FORWARD == "engine":
+        try:
+            forward, folds = _graph_for("forward", q, k, v, call, False), False
+        except GraphRejected:
+            pass
+    if forward is None:
+        # The fold needs the sink-less LSE; the graph key drops the sinks flag and forces the LSE.
+        forward = _graph_for("forward", q, k, v, call._replace(has_sinks=False, need_lse=True) if folds else call, False)
+    backward = _graph_for("backward", q, k, v, call, deterministic) if call.needs_grad else None
+    return Plan(forward, backward, folds, deterministic)
 
 
-def fold_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> None:
-    """Turn a sink-less ``(out, lse)`` into the sink forward's, in place: each sink adds
-    ``exp(sink_h)`` to its head's denominator, so ``lse' = logaddexp(lse, sink)`` and
-    ``out' = out * exp(lse - lse')``. Rows with no key (``lse = -inf``) stay zero and ``-inf``; a
-    NaN sink gives NaN rows, as in torch. ``lse`` is (B, H, S) or (T, H), fp32."""
-    sinks_view = sinks.view(1, -1, 1) if lse.dim() == 3 else sinks.view(1, -1)
-    no_key = lse == float("-inf")
-    folded = torch.logaddexp(lse, sinks_view)
-    factor = torch.where(no_key, 0.0, torch.exp(lse - folded))
-    out.mul_(factor.unsqueeze(-1))
-    lse.copy_(torch.where(no_key, lse, folded))
+def _packed_absent_rows(cu_seqlens_q, cu_seqlens_kv, tokens: int) -> torch.Tensor:
+    """(T, 1) bool: packed query tokens in no document (past ``cu_seqlens_q[-1]``) or in a document with no key."""
+    document_T = torch.searchsorted(cu_seqlens_q, torch.arange(tokens, device=cu_seqlens_q.device, dtype=cu_seqlens_q.dtype), right=True) - 1
+    has_keys = torch.cat([cu_seqlens_kv[1:] > cu_seqlens_kv[:-1], cu_seqlens_kv.new_zeros(1, dtype=torch.bool)])
+    return ~has_keys[document_T].unsqueeze(-1)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -174,13 +175,12 @@ def _length_operands(graph, seqlens_q, seqlens_kv, cu_seqlens_q, cu_seqlens_kv) 
     return lengths + [(wide[side] * token_stride).view(-1, 1, 1, 1) for side, token_stride in graph.ragged_columns]
 
 
-def _sink_gradient(grad_out, out, lse, sinks):
-    """dSink from the sink-inclusive LSE; rows with ``lse = -inf`` (padding) contribute nothing."""
-    row_dot = (grad_out.float() * out.float()).sum(-1)  # (B, H, S) or (T, H)
-    sinks_view = sinks.view(1, -1, 1) if lse.dim() == 3 else sinks.view(1, -1)
-    weight = torch.exp(sinks_view - lse).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
-    reduce_dims = (0, 2) if lse.dim() == 3 else (0,)
-    return -(weight * row_dot).sum(reduce_dims)
+def _valid_rows(seqlens_q, s_q: int) -> torch.Tensor:
+    """(B, 1, S_q, 1) bool: query rows inside their sequence. cuDNN 9.19 writes rows of a sequence
+    whose query length is 0 when S_q is small (seen at S_q = 1), and leaves other padded rows
+    unwritten, so padded outputs, incoming gradients and dQ are masked with it rather than trusted
+    to the kernel (``masked_fill``, not a product: unwritten memory may hold NaN)."""
+    return (torch.arange(s_q, device=seqlens_q.device) < seqlens_q.view(-1, 1)).view(-1, 1, s_q, 1)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -188,45 +188,74 @@ def _sink_gradient(grad_out, out, lse, sinks):
 # ----------------------------------------------------------------------------------------------
 
 
-def _run_forward(plan, q, k, v, sinks, seqlens_q, seqlens_kv, cu_seqlens_q, cu_seqlens_kv, need_lse):
-    graph, folds_sinks = plan
-    graph_sinks = None if folds_sinks else sinks
+def _run_forward(plan: Plan, q, k, v, sinks, seqlens_q, seqlens_kv, cu_seqlens_q, cu_seqlens_kv, need_lse: bool):
+    graph = plan.forward
+    padded = seqlens_q is not None
     out, lse = allocate_forward_outputs(
-        q, v, packed=cu_seqlens_q is not None, padded=seqlens_q is not None, need_lse=need_lse or folds_sinks, out_strides=graph.out_strides
+        q, v, packed=cu_seqlens_q is not None, padded=padded, need_lse=need_lse or plan.folds_sinks, out_strides=graph.out_strides
     )
     operands = [q, k, v, out]
     if lse is not None:
         operands.append(lse.unsqueeze(-1))
-    if graph_sinks is not None:
-        operands.append(_aligned(graph_sinks, "sinks").view(1, -1, 1, 1))
+    if sinks is not None and not plan.folds_sinks:
+        operands.append(_aligned(sinks, "sinks").view(1, -1, 1, 1))
     operands += _length_operands(graph, seqlens_q, seqlens_kv, cu_seqlens_q, cu_seqlens_kv)
     execute(graph, operands, q.device.index)
-    if folds_sinks:
-        fold_sinks(out, lse, sinks)
+    absent = None
+    if padded:
+        invalid_B1S1 = ~_valid_rows(seqlens_q, q.shape[2])
+        out.masked_fill_(invalid_B1S1, 0)
+        absent = invalid_B1S1[..., 0]
+        if lse is not None and not plan.folds_sinks:
+            lse.masked_fill_(absent, float("-inf"))
+    if plan.folds_sinks:
+        if cu_seqlens_q is not None:
+            absent = _packed_absent_rows(cu_seqlens_q, cu_seqlens_kv, q.shape[0])
+        fold_sinks(out, lse, sinks, absent)
         if not need_lse:
             lse = None
-    if seqlens_q is not None:
-        valid_B1S1 = _valid_rows(seqlens_q, q.shape[2])
-        out.mul_(valid_B1S1)
-        if lse is not None:
-            lse.masked_fill_(~valid_B1S1[..., 0], float("-inf"))
     count_cudnn("forward")
     return out, lse
 
 
-def _valid_rows(seqlens_q, s_q: int) -> torch.Tensor:
-    """(B, 1, S_q, 1) bool: query rows inside their sequence. cuDNN 9.19 writes rows of a sequence
-    whose query length is 0 when S_q is small (seen at S_q = 1), so padded outputs, incoming
-    gradients and dQ are masked with it rather than trusted to the kernel."""
-    return (torch.arange(s_q, device=seqlens_q.device) < seqlens_q.view(-1, 1)).view(-1, 1, s_q, 1)
+def _run_backward(graph, grad_out, q, k, v, out, lse, sinks, seqlens_q, seqlens_kv, cu_seqlens_q, cu_seqlens_kv):
+    q, k, v, out = _aligned(q, "q"), _aligned(k, "k"), _aligned(v, "v"), _aligned(out, "out")
+    invalid_B1S1 = None if seqlens_q is None else ~_valid_rows(seqlens_q, q.shape[2])
+    if invalid_B1S1 is not None:
+        grad_out = grad_out.masked_fill(invalid_B1S1, 0)  # padded rows' outputs are constant zero: no gradient flows from them
+    if grad_out.stride() != out.stride() or grad_out.dtype != out.dtype or grad_out.data_ptr() % 16:
+        # cuDNN reads dO with O's descriptor.
+        grad_out = torch.empty_strided(out.shape, out.stride(), dtype=out.dtype, device=out.device).copy_(grad_out)
+    dq, dk, dv, dsinks = allocate_backward_outputs(
+        q, k, v, sinks, packed=cu_seqlens_q is not None, padded=seqlens_q is not None, grad_strides=graph.grad_strides
+    )
+    operands = [q, k, v, out, grad_out, lse.unsqueeze(-1), dq, dk, dv]
+    operands += _length_operands(graph, seqlens_q, seqlens_kv, cu_seqlens_q, cu_seqlens_kv)
+    execute(graph, operands, q.device.index)
+    if invalid_B1S1 is not None:
+        dq.masked_fill_(invalid_B1S1, 0)
+    if sinks is not None:
+        dsinks.copy_(sink_gradient(grad_out, out, lse, sinks))
+    count_cudnn("backward")
+    return dq, dk, dv, dsinks
+
+
+def _op_call(q, k, v, sinks, seqlens_q, cu_seqlens_q, max_seqlen_q, max_seqlen_kv, scale, window_left, window_right, bottom_right,
+             need_lse, needs_grad) -> AttentionCall:  # fmt: skip
+    """The call value, rebuilt from the ops' flat schema (ops take no Python objects)."""
+    packed = cu_seqlens_q is not None
+    return AttentionCall(
+        packed, seqlens_q is not None, cu_seqlens_q.numel() - 1 if packed else 0, max_seqlen_q, max_seqlen_kv, scale,
+        MaskSpec(window_left, window_right, bottom_right), sinks is not None, need_lse, needs_grad,
+    )  # fmt: skip
 
 
 def _forward_cuda(q, k, v, sinks, seqlens_q, seqlens_kv, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, scale, window_left,
                   window_right, bottom_right, need_lse):  # fmt: skip
     q, k, v = _aligned(q, "q"), _aligned(k, "k"), _aligned(v, "v")
-    plan = _forward_plan(q, k, v, sinks is not None, seqlens_q is not None, cu_seqlens_q, max_seqlen_q, max_seqlen_kv, scale, window_left,
-                         window_right, bottom_right, need_lse)  # fmt: skip
-    out, lse = _run_forward(plan, q, k, v, sinks, seqlens_q, seqlens_kv, cu_seqlens_q, cu_seqlens_kv, need_lse)
+    call = _op_call(q, k, v, sinks, seqlens_q, cu_seqlens_q, max_seqlen_q, max_seqlen_kv, scale, window_left, window_right, bottom_right,
+                    need_lse, False)  # fmt: skip
+    out, lse = _run_forward(_plan(q, k, v, call, False), q, k, v, sinks, seqlens_q, seqlens_kv, cu_seqlens_q, cu_seqlens_kv, need_lse)
     return out, lse if lse is not None else _no_lse(q)
 
 
@@ -237,25 +266,10 @@ def _no_lse(q):
 
 def _backward_cuda(grad_out, q, k, v, out, lse, sinks, seqlens_q, seqlens_kv, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv,
                    scale, window_left, window_right, bottom_right, deterministic):  # fmt: skip
-    q, k, v, out = _aligned(q, "q"), _aligned(k, "k"), _aligned(v, "v"), _aligned(out, "out")
-    valid_B1S1 = None if seqlens_q is None else _valid_rows(seqlens_q, q.shape[2])
-    if valid_B1S1 is not None:
-        grad_out = grad_out * valid_B1S1  # padded rows' outputs are constant zero: no gradient flows from them
-    if grad_out.stride() != out.stride() or grad_out.dtype != out.dtype or grad_out.data_ptr() % 16:
-        # cuDNN reads dO with O's descriptor.
-        grad_out = torch.empty_strided(out.shape, out.stride(), dtype=out.dtype, device=out.device).copy_(grad_out)
-    graph = _graph_for("backward", q, k, v, sinks is not None, seqlens_q is not None, cu_seqlens_q, max_seqlen_q, max_seqlen_kv, scale,
-                       window_left, window_right, bottom_right, True, deterministic)  # fmt: skip
-    dq, dk, dv, dsinks = allocate_backward_outputs(q, k, v, sinks, packed=cu_seqlens_q is not None, padded=seqlens_q is not None)
-    operands = [q, k, v, out, grad_out, lse.unsqueeze(-1), dq, dk, dv]
-    operands += _length_operands(graph, seqlens_q, seqlens_kv, cu_seqlens_q, cu_seqlens_kv)
-    execute(graph, operands, q.device.index)
-    if valid_B1S1 is not None:
-        dq.mul_(valid_B1S1)
-    if sinks is not None:
-        dsinks.copy_(_sink_gradient(grad_out, out, lse, sinks))
-    count_cudnn("backward")
-    return dq, dk, dv, dsinks
+    call = _op_call(q, k, v, sinks, seqlens_q, cu_seqlens_q, max_seqlen_q, max_seqlen_kv, scale, window_left, window_right, bottom_right,
+                    True, True)  # fmt: skip
+    graph = _graph_for("backward", q, k, v, call, deterministic)
+    return _run_backward(graph, grad_out, q, k, v, out, lse, sinks, seqlens_q, seqlens_kv, cu_seqlens_q, cu_seqlens_kv)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -313,15 +327,53 @@ def _backward_formula(ctx, grad_out, _grad_lse):
 torch.library.register_autograd("cudnn_attention::forward", _backward_formula, setup_context=_setup_context, lib=_lib)
 
 
-def cudnn_forward(plan, q, k, v, *, sinks, seqlens_q, seqlens_kv, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, scale, mask,
-                  need_lse, needs_grad):  # fmt: skip
-    """Run the forward: through the op (differentiable, traceable), or, for a plain eager call
-    that needs no gradient, straight into the already resolved ``plan`` (the dispatcher and
-    autograd layers cost more host time than the kernel launch itself)."""
-    if plan is not None and not needs_grad and not torch._C._len_torch_dispatch_stack():
+class _EagerAttention(torch.autograd.Function):
+    """The eager training call without the dispatcher: the op's autograd wrapper costs about 100 us of
+    host time per forward (issue 13), this a few. Same kernels, same saved tensors and the same
+    backward as the op; the plan, backward graph included, was resolved before the call. The
+    ``forward(ctx, ...)`` form on purpose: with ``setup_context`` every apply binds the signature
+    with ``inspect`` (about 60 us); functorch transforms, which need that form, take the op instead."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, sinks, seqlens_q, seqlens_kv, cu_seqlens_q, cu_seqlens_kv, plan, call):
+        out, lse = _run_forward(plan, q, k, v, sinks, seqlens_q, seqlens_kv, cu_seqlens_q, cu_seqlens_kv, True)
+        ctx.save_for_backward(q, k, v, out, lse, sinks, seqlens_q, seqlens_kv, cu_seqlens_q, cu_seqlens_kv)
+        ctx.plan, ctx.call = plan, call
+        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, _grad_lse):
+        if grad_out is None:
+            return (None,) * 10
+        q, k, v, out, lse, sinks, seqlens_q, seqlens_kv, cu_q, cu_kv = ctx.saved_tensors
+        graph, deterministic = ctx.plan.backward, torch.are_deterministic_algorithms_enabled()
+        if ctx.plan.deterministic != deterministic:  # switched between forward and backward (the op path resolves per backward too)
+            graph = _graph_for("backward", q, k, v, ctx.call, deterministic)
+        dq, dk, dv, dsinks = _run_backward(graph, grad_out, q, k, v, out, lse, sinks, seqlens_q, seqlens_kv, cu_q, cu_kv)
+        return dq, dk, dv, dsinks if sinks is not None else None, None, None, None, None, None, None
+
+
+def _eager_safe(q, k, v) -> bool:
+    """A plain eager call on plain tensors, with no dispatch mode (FakeTensor, functionalization,
+    debug modes) that must see the op: then the dispatcher layers can be skipped."""
+    return type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor and _compat.plain_dispatch()
+
+
+def cudnn_forward(plan: Plan | None, call: AttentionCall, q, k, v, *, sinks, seqlens_q, seqlens_kv, cu_seqlens_q, cu_seqlens_kv):
+    """Run the forward: for a plain eager call, straight into the already resolved ``plan``
+    (through :class:`_EagerAttention` when gradients are needed); otherwise through the op
+    (traceable, and what ``torch.compile`` sees)."""
+    if plan is not None and _eager_safe(q, k, v):
         q, k, v = _aligned(q, "q"), _aligned(k, "k"), _aligned(v, "v")
-        return _run_forward(plan, q, k, v, sinks, seqlens_q, seqlens_kv, cu_seqlens_q, cu_seqlens_kv, need_lse)
-    return torch.ops.cudnn_attention.forward(
-        q, k, v, sinks, seqlens_q, seqlens_kv, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, scale,
-        mask.left, mask.right, mask.bottom_right, need_lse,
+        if not call.needs_grad:
+            return _run_forward(plan, q, k, v, sinks, seqlens_q, seqlens_kv, cu_seqlens_q, cu_seqlens_kv, call.need_lse)
+        out, lse = _EagerAttention.apply(q, k, v, sinks, seqlens_q, seqlens_kv, cu_seqlens_q, cu_seqlens_kv, plan, call)
+        return out, lse
+    mask = call.mask
+    out, lse = torch.ops.cudnn_attention.forward(
+        q, k, v, sinks, seqlens_q, seqlens_kv, cu_seqlens_q, cu_seqlens_kv, call.max_seqlen_q, call.max_seqlen_kv, call.scale,
+        mask.left, mask.right, mask.bottom_right, call.need_lse,
     )  # fmt: skip
+    return out, lse

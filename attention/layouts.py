@@ -95,9 +95,9 @@ def allocate_forward_outputs(
 
     Dense: out adopts q's layout (``out_strides``, when the caller already derived them with
     :func:`like_layout_strides`), lse (B, H, S_q). Packed: out (T, H, D_v), lse (T, H).
-    Wherever a kernel may leave rows unwritten (packed tokens past ``cu_seqlens[-1]``, padded rows
-    of a sequence with no query or no key) out starts at zero and lse at ``-inf``, so they read as
-    the exact result instead of stale memory.
+    Packed tokens a kernel may leave unwritten (past ``cu_seqlens[-1]``, documents with no key)
+    start at zero and lse at ``-inf``, so they read as the exact result instead of stale memory;
+    the rows of a padded batch are masked after the kernel instead.
     """
     if packed:
         T, H = q.shape[0], q.shape[1]
@@ -106,18 +106,14 @@ def allocate_forward_outputs(
         return out, lse
     B, H, S = q.shape[0], q.shape[1], q.shape[2]
     shape = (B, H, S, v.shape[-1])
+    # Padded rows are masked after the kernel (cudnn_ops._run_forward), so no fill here.
     out = torch.empty_strided(shape, out_strides or like_layout_strides(shape, q), dtype=q.dtype, device=q.device)
-    lse = None
-    if padded:
-        out.zero_()
-        lse = torch.full((B, H, S), float("-inf"), dtype=torch.float32, device=q.device) if need_lse else None
-    elif need_lse:
-        lse = torch.empty((B, H, S), dtype=torch.float32, device=q.device)
+    lse = torch.empty((B, H, S), dtype=torch.float32, device=q.device) if need_lse else None
     return out, lse
 
 
 def allocate_backward_outputs(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None, *, packed: bool, padded: bool
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None, *, packed: bool, padded: bool, grad_strides: tuple | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv, dsinks)``. Dense gradients adopt their input's layout (autograd hands them
     back as ``.grad``); packed ones are contiguous. Packed and padded ones start at zero: tokens
@@ -131,7 +127,9 @@ def allocate_backward_outputs(
             torch.zeros(v.shape, dtype=q.dtype, device=q.device),
             dsinks,
         )
-    grads = tuple(torch.empty_strided(t.shape, like_layout_strides(tuple(t.shape), t), dtype=q.dtype, device=q.device) for t in (q, k, v))
+    # grad_strides: the same like_layout_strides, already derived for the graph (a backward's host time counts).
+    strides = grad_strides or tuple(like_layout_strides(tuple(t.shape), t) for t in (q, k, v))
+    grads = tuple(torch.empty_strided(t.shape, stride, dtype=q.dtype, device=q.device) for t, stride in zip((q, k, v), strides))
     if padded:
         for grad in grads:
             grad.zero_()

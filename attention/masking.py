@@ -10,16 +10,16 @@ the diagonal is anchored at the last query/key pair, i.e. ``i`` is shifted by ``
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 __all__ = ["MaskSpec", "effective_lengths", "make_mask_spec", "visible_keys"]
 
 
-@dataclass(frozen=True)
-class MaskSpec:
-    """A normalized mask: ``left``/``right`` in FlashAttention's convention (-1 = unbounded)."""
+class MaskSpec(NamedTuple):
+    """A normalized mask: ``left``/``right`` in FlashAttention's convention (-1 = unbounded).
+    A NamedTuple: it is part of every graph-cache key, and hashing a tuple costs nothing in Python."""
 
     left: int = -1
     right: int = -1

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import os
 import threading
 import warnings
@@ -20,8 +21,10 @@ __all__ = [
     "CudnnAttentionFallbackWarning",
     "StrictModeError",
     "count_provider",
+    "Counters",
     "env_flag",
     "fallback_output",
+    "flat_stats",
     "is_strict",
     "note_fallback",
     "reset_stats",
@@ -40,9 +43,49 @@ class StrictModeError(RuntimeError):
 
 
 _lock = threading.Lock()
-# ("cudnn", direction), ("fallback", direction, reason), ("provider", path) or ("provider", path, reason)
-_served: Counter = Counter()
-_build_seconds = 0.0  # spent building cuDNN graphs, both directions
+
+
+@dataclasses.dataclass
+class Counters:
+    """Every count :func:`stats` reports, in one place: what served each call and what it cost to build."""
+
+    cudnn: Counter = dataclasses.field(default_factory=Counter)  # direction -> calls served by cuDNN
+    fallback: dict = dataclasses.field(default_factory=lambda: {"forward": Counter(), "backward": Counter()})  # direction -> reason -> n
+    provider: Counter = dataclasses.field(default_factory=Counter)  # provider path served here -> n
+    handed_to_torch: dict = dataclasses.field(default_factory=lambda: {"torch_forward": Counter(), "torch_backward": Counter()})
+    graph_builds: Counter = dataclasses.field(default_factory=Counter)  # direction -> graphs built (or rejected)
+    build_seconds: float = 0.0  # spent building cuDNN graphs, both directions
+
+    def as_dict(self) -> dict:
+        """The nested view :func:`stats` returns."""
+        provider = {path: self.provider[path] for path in ("sdpa_forward", "sdpa_backward", "varlen_forward", "varlen_backward")}
+        provider.update({path: dict(reasons) for path, reasons in self.handed_to_torch.items()})
+        return {
+            "cudnn_forward": self.cudnn["forward"],
+            "cudnn_backward": self.cudnn["backward"],
+            "fallback_forward": dict(self.fallback["forward"]),
+            "fallback_backward": dict(self.fallback["backward"]),
+            "provider": provider,
+            "graph_builds": {"forward": self.graph_builds["forward"], "backward": self.graph_builds["backward"], "seconds": self.build_seconds},
+        }
+
+    def flat(self) -> dict[str, float]:
+        """One level of ``name: number`` for loggers: ``cudnn_forward``, ``fallback_forward/<reason>``,
+        ``provider/sdpa_forward``, ``provider/torch_forward/<reason>``, ``graph_builds/forward``, ..."""
+        flat: dict[str, float] = {}
+
+        def walk(prefix: str, value) -> None:
+            if isinstance(value, dict):
+                for key, inner in value.items():
+                    walk(f"{prefix}/{key}" if prefix else key, inner)
+            else:
+                flat[prefix] = value
+
+        walk("", self.as_dict())
+        return flat
+
+
+_counters = Counters()
 _warned: set[str] = set()
 _strict_global: bool | None = None
 _strict_scope: contextvars.ContextVar[bool | None] = contextvars.ContextVar("cudnn_attention_strict", default=None)
@@ -50,16 +93,15 @@ _strict_scope: contextvars.ContextVar[bool | None] = contextvars.ContextVar("cud
 
 def count_cudnn(direction: str) -> None:
     # Counter increments are atomic enough under the GIL for a statistic; no lock on the hot path.
-    _served["cudnn", direction] += 1
+    _counters.cudnn[direction] += 1
 
 
 def note_graph_build(direction: str, seconds: float) -> None:
     """Record one cuDNN graph build (or rejection) and its wall time: builds cost tens to hundreds of
     milliseconds each, so a run that keeps meeting new shapes pays for them step after step."""
-    global _build_seconds
     with _lock:
-        _served["graph_builds", direction] += 1
-        _build_seconds += seconds
+        _counters.graph_builds[direction] += 1
+        _counters.build_seconds += seconds
 
 
 def count_provider(path: str, reason: str | None = None) -> None:
@@ -71,24 +113,20 @@ def count_provider(path: str, reason: str | None = None) -> None:
     strict mode: torch's kernel computes the same function, so nothing is approximated.
     """
     if reason is None:
-        _served["provider", path] += 1  # hot path: no lock, as in count_cudnn
+        _counters.provider[path] += 1  # hot path: no lock, as in count_cudnn
         return
     message = f"cudnn_attention provider: handing this call to torch's own kernel: {reason}"
-    _count_and_warn_once(("provider", path, reason), f"provider: {reason}", message, stacklevel=3)
+    _count_and_warn_once(_counters.handed_to_torch[path], reason, f"provider: {reason}", message, stacklevel=3)
 
 
-def _count_and_warn_once(key: tuple, warned_as: str, message: str, *, stacklevel: int) -> None:
-    """Count ``key``; warn with ``message`` the first time ``warned_as`` comes up (``stacklevel`` as seen from the caller)."""
+def _count_and_warn_once(counter: Counter, reason: str, warned_as: str, message: str, *, stacklevel: int) -> None:
+    """Count ``reason`` in ``counter``; warn with ``message`` the first time ``warned_as`` comes up (``stacklevel`` as seen from the caller)."""
     with _lock:
-        _served[key] += 1
+        counter[reason] += 1
         first = warned_as not in _warned
         _warned.add(warned_as)
     if first:
         warnings.warn(message, CudnnAttentionFallbackWarning, stacklevel=stacklevel + 1)
-
-
-def _provider_stats() -> dict:
-    return {"sdpa_forward": 0, "sdpa_backward": 0, "varlen_forward": 0, "varlen_backward": 0, "torch_forward": {}, "torch_backward": {}}
 
 
 def stats() -> dict:
@@ -104,30 +142,20 @@ def stats() -> dict:
     and are not counted.
     """
     with _lock:
-        snapshot, build_seconds = dict(_served), _build_seconds
-    result: dict = {"cudnn_forward": 0, "cudnn_backward": 0, "fallback_forward": {}, "fallback_backward": {}, "provider": _provider_stats(),
-                    "graph_builds": {"forward": 0, "backward": 0, "seconds": build_seconds}}  # fmt: skip
-    for key, count in snapshot.items():
-        if key[0] == "cudnn":
-            result[f"cudnn_{key[1]}"] += count
-        elif key[0] == "graph_builds":
-            result["graph_builds"][key[1]] = count
-        elif key[0] == "provider":
-            if len(key) == 2:
-                result["provider"][key[1]] += count
-            else:
-                result["provider"][key[1]][key[2]] = count
-        else:
-            result[f"fallback_{key[1]}"][key[2]] = count
-    return result
+        return _counters.as_dict()
+
+
+def flat_stats() -> dict[str, float]:
+    """:func:`stats` flattened to ``name: number`` (see :meth:`Counters.flat`), for loggers."""
+    with _lock:
+        return _counters.flat()
 
 
 def reset_stats() -> None:
     """Zero every counter and forget which fallback reasons already warned."""
-    global _build_seconds
+    global _counters
     with _lock:
-        _served.clear()
-        _build_seconds = 0.0
+        _counters = Counters()
         _warned.clear()
 
 
@@ -192,9 +220,10 @@ def fallback_output(out: torch.Tensor, reason: str, *, needs_grad: bool) -> torc
     return _CountFallbackBackward.apply(out, reason) if needs_grad else out
 
 
-def note_fallback(direction: str, reason: str) -> None:
-    """Record one call served by the fallback; raise in strict mode, warn the first time per reason."""
+def note_fallback(direction: str, reason: str, *, caller_depth: int = 1) -> None:
+    """Record one call served by the fallback; raise in strict mode, warn the first time per reason
+    (pointing ``caller_depth`` frames above the caller: at the user's line)."""
     if direction == "forward" and is_strict():
         raise StrictModeError(f"cudnn_attention strict mode: cuDNN cannot serve this call ({reason})")
     message = f"cudnn_attention: running the exact PyTorch path, not cuDNN: {reason}"
-    _count_and_warn_once(("fallback", direction, reason), reason, message, stacklevel=3)
+    _count_and_warn_once(_counters.fallback[direction], reason, reason, message, stacklevel=2 + caller_depth)

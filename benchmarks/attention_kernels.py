@@ -144,18 +144,11 @@ def implementations(case: Case, q, k, v, sinks, cu):
     return impls
 
 
-def plan_names() -> dict[int, str]:
-    """Engine plan of every graph built so far (by this project and by the upstream ops), by graph identity."""
-    from cudnn_attention import cudnn_graphs
+def plan_names() -> list[str]:
+    """Engine plan of every graph this project built so far, in build order."""
+    from cudnn_attention.cudnn_graphs import built_plans
 
-    names = {id(g): f"{spec.direction}:{g.plan_name}" for spec, g in cudnn_graphs._cache.items() if isinstance(g, cudnn_graphs.CompiledGraph)}
-    try:
-        from cudnn.sdpa.fwd import torch_op
-
-        names.update({id(g): f"upstream {key[0]}:{g.get_plan_name_at_index(g._plan_index)}" for key, (g, _, _) in torch_op._graph_cache.items()})
-    except Exception:  # noqa: BLE001 - upstream not importable or its cache changed shape
-        pass
-    return names
+    return [f"{direction}:{name}" for direction, name in built_plans()]
 
 
 def run_case(case: Case):
@@ -179,42 +172,76 @@ def run_case(case: Case):
                 entry["fwd_bwd_ms"] = entry["fwd_ms"] + entry["bwd_ms"]
         except Exception as exc:  # noqa: BLE001
             entry["error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
-        entry["plans"] = sorted(name for key, name in plan_names().items() if key not in before)
+        entry["plans"] = sorted(set(plan_names()[len(before):]))  # the graphs this implementation's calls built
         case.results[name] = entry
         del out
     torch.cuda.empty_cache()
 
 
+def _host_us(fn, iters: int) -> float:
+    for _ in range(100):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / iters * 1e6
+
+
 def host_overhead_us(iters=2000) -> dict:
-    """Host microseconds per no-grad forward at B=H=1, S=128, D=64 (launch-bound: measures Python and dispatch)."""
+    """Host microseconds per call at B=H=1, S=128, D=64 (launch-bound: measures Python and dispatch), for a
+    no-grad forward, a forward whose inputs require grad (no backward), and a backward alone."""
     torch.manual_seed(0)
     q = torch.randn(1, 1, 128, 64, device="cuda", dtype=torch.bfloat16)
+    q_grad = q.clone().requires_grad_()
     calls = {
-        "cudnn_attention": lambda: cudnn_attention.attention(q, q, q),
-        "torch flash": lambda: torch.ops.aten._scaled_dot_product_flash_attention(q, q, q),
-        "torch cuDNN (C++)": lambda: torch.ops.aten._scaled_dot_product_cudnn_attention(q, q, q, None, False),
+        "cudnn_attention": lambda t: cudnn_attention.attention(t, t, t),
+        "torch flash": lambda t: torch.ops.aten._scaled_dot_product_flash_attention(t, t, t)[0],
+        "torch cuDNN (C++)": lambda t: torch.ops.aten._scaled_dot_product_cudnn_attention(t, t, t, None, False)[0],
     }
-    try:
-        from cudnn.sdpa.fwd import torch_op  # noqa: F401
-
-        calls["upstream cudnn::sdpa_fwd"] = lambda: torch.ops.cudnn.sdpa_fwd(q, q, q, 0.125, return_lse=False)
-    except Exception:  # noqa: BLE001
-        pass
     result = {}
-    with torch.no_grad():
-        for name, fn in calls.items():
-            for _ in range(100):
-                fn()
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            for _ in range(iters):
-                fn()
-            torch.cuda.synchronize()
-            result[name] = (time.perf_counter() - start) / iters * 1e6
+    for name, fn in calls.items():
+        with torch.no_grad():
+            no_grad = _host_us(lambda: fn(q), iters)
+        grad_fwd = _host_us(lambda: fn(q_grad), iters)
+        out = fn(q_grad)
+        grad_out = torch.randn_like(out)
+        backward = _host_us(lambda: torch.autograd.grad(out, q_grad, grad_out, retain_graph=True), iters)
+        result[name] = {"no-grad forward": no_grad, "grad forward": grad_fwd, "backward": backward}
     return result
 
 
-def markdown(cases, host) -> str:
+def sink_forward_comparison(case: Case) -> dict:
+    """The sink forward two ways at ``case``'s shape: cuDNN's sink engine, and the sink-less kernel plus the LSE
+    fold (``cudnn_ops.SINK_FORWARD``), against the same graph without sinks; with each one's error against fp32
+    attention on the same inputs (max abs, output)."""
+    from cudnn_attention import cudnn_ops
+    from cudnn_attention.masking import make_mask_spec
+    from cudnn_attention.reference import varlen_reference
+
+    q, k, v, sinks, cu = make_inputs(case)
+    max_len, window = max(case.doc_lengths), (case.left, 0)
+    q, k, v, sinks = (t.detach() for t in (q, k, v, sinks))
+    run = lambda s: cudnn_attention.varlen_attention(q, k, v, cu, cu, max_len, max_len, causal=True, window_size=window, sinks=s)  # noqa: E731
+    mask = make_mask_spec(causal=True, bottom_right=False, window_size=window)
+    reference, _ = varlen_reference(q.float(), k.float(), v.float(), cu, cu, max_len, max_len, scale=case.head_dim**-0.5, mask=mask, sinks_H=sinks)
+    result = {}
+    saved = cudnn_ops.SINK_FORWARD
+    try:
+        with torch.no_grad():
+            result["no sinks"] = {"fwd_ms": cuda_time_ms(lambda: run(None))}
+            for way in ("engine", "fold"):
+                cudnn_ops.SINK_FORWARD = way
+                result[way] = {"fwd_ms": cuda_time_ms(lambda: run(sinks)), "max_abs_err": (run(sinks).float() - reference).abs().max().item()}
+    finally:
+        cudnn_ops.SINK_FORWARD = saved
+    for way in ("engine", "fold"):
+        result[way]["vs no sinks"] = result[way]["fwd_ms"] / result["no sinks"]["fwd_ms"]
+    return result
+
+
+def markdown(cases, host, sinks=None) -> str:
     lines = [
         f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}, bf16, causal.",
         "",
@@ -234,9 +261,16 @@ def markdown(cases, host) -> str:
                          f"{total:.3f} | {ratio} |" if total else f"| {case.name} | {name} | {r['fwd_ms']:.3f} | {r['fwd_tflops']:.0f} | {bwd[0]} | | | |")  # fmt: skip
     lines += ["", "Engine plans chosen:", ""]
     lines += [f"- {case.name} / {name}: {', '.join(r.get('plans', [])) or 'n/a'}" for case in cases for name, r in case.results.items()]
-    lines += ["", "Host time per no-grad forward, B=H=1, S=128, D=64:", "", "| implementation | us/call |", "|---|---|"]
-    lines += [f"| {name} | {us:.1f} |" for name, us in host.items()]
+    lines += ["", "Host microseconds per call, B=H=1, S=128, D=64:", "", "| implementation | no-grad forward | grad forward | backward |", "|---|---|---|---|"]
+    lines += [f"| {name} | {r['no-grad forward']:.1f} | {r['grad forward']:.1f} | {r['backward']:.1f} |" for name, r in host.items()]
+    if sinks:
+        lines += ["", f"Sink forward at {SINK_CASE.name} (default: {sinks['default']}):", "", "| way | fwd ms | vs no sinks | max abs err vs fp32 |", "|---|---|---|---|"]
+        lines += [f"| {way} | {r['fwd_ms']:.3f} | {r.get('vs no sinks', 1.0):.2f}x | {r.get('max_abs_err', float('nan')):.2e} |"
+                  for way, r in sinks.items() if way != "default"]  # fmt: skip
     return "\n".join(lines)
+
+
+SINK_CASE = CASES[-1]
 
 
 def main():
@@ -244,17 +278,22 @@ def main():
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     parser.add_argument("--only", default="", help="run cases whose name contains this text")
     args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/attention_kernels.py measures cuDNN kernels and needs a CUDA GPU; none is visible here.")
+    from cudnn_attention import cudnn_ops
+
     cases = [c for c in CASES if args.only in c.name]
     for case in cases:
         run_case(case)
         print(case.name, json.dumps(case.results))
     host = host_overhead_us()
-    table = markdown(cases, host)
+    sinks = {"default": cudnn_ops.SINK_FORWARD, **sink_forward_comparison(SINK_CASE)}
+    table = markdown(cases, host, sinks)
     print(table)
     print("stats:", cudnn_attention.stats())
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "attention_kernels.md").write_text(table + "\n")
-    payload = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "cases": [asdict(c) for c in cases], "host_us": host}
+    payload = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "cases": [asdict(c) for c in cases], "host_us": host, "sinks": sinks}
     (args.out / "attention_kernels.json").write_text(json.dumps(payload, indent=1))
 
 

@@ -179,14 +179,16 @@ def reference_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_
 # ----------------------------------------------------------------------------------------------
 
 
-def compare_tensors(name: str, got, ref, lowp, *, floor_rel: float, magnitude: float = 0.0, flash=None) -> dict:
-    """FlashAttention's rule: ``max|got - ref| <= 2 * max|lowp - ref| + floor_rel * max(max|ref|, magnitude)``.
+def compare_tensors(name: str, got, ref, lowp, *, floor_rel: float, magnitude: float = 0.0, flash=None, implied: float = 0.0) -> dict:
+    """FlashAttention's rule: ``max|got - ref| <= 2 * max|lowp - ref| + implied + floor_rel * max(max|ref|, magnitude)``.
 
     ``magnitude`` keeps the floor meaningful where the reference is exactly zero although the kernel
     does real arithmetic (dQ and dK when each row sees one key: ``P (dP - D)`` cancels to zero only
     in exact math); gradients pass the magnitude of the output gradient that drives them. ``flash``,
     when given, is a second low-precision estimate (the flash-style dSink, see
-    :func:`flash_style_dsinks`), and the larger of the two errors sets the noise level.
+    :func:`flash_style_dsinks`), and the larger of the two errors sets the noise level. ``implied`` is
+    the error the result must carry because of an input already judged on its own (dSink is a linear
+    function of the output O, see :func:`implied_dsinks_error`); it adds to the bound, not doubled.
 
     NaN and infinite entries must sit where the reference has them (same sign); the rule applies to
     the finite rest. Returns ``{"name", "ok", "err", "bound", "why"}``.
@@ -213,7 +215,7 @@ def compare_tensors(name: str, got, ref, lowp, *, floor_rel: float, magnitude: f
         flash = flash.detach().double()[finite]
         base = max(base, (flash - ref).abs().max().item())
     err = (got - ref).abs().max().item()
-    bound = 2 * base + floor_rel * max(ref.abs().max().item(), magnitude)
+    bound = 2 * base + implied + floor_rel * max(ref.abs().max().item(), magnitude)
     ok = err <= bound
     return {"name": name, "ok": ok, "err": err, "bound": bound, "why": "" if ok else f"error {err:.3g} > bound {bound:.3g} (low-precision error {base:.3g})"}
 
@@ -244,6 +246,21 @@ def flash_style_dsinks(out_ref, lse_ref, grad_out, sinks, low_dtype) -> torch.Te
     row_dot = (grad_out.double() * o_low).sum(-1)
     reduce_dims = (0, 2) if lse.dim() == 3 else (0,)
     return (-(weight * row_dot).sum(reduce_dims)).to(sinks.dtype)
+
+
+def implied_dsinks_error(out_got, out_ref, lse_ref, grad_out, sinks) -> float:
+    """The dSink error an exact reduction would still show, given the kernel's own output.
+
+    dSink is linear in O (``-sum_rows exp(sink - lse) * rowsum(dO * O)``), so the output's error,
+    which the ``out`` check judges on its own, moves dSink by exactly this much; a fused kernel reads
+    its own O (it cannot read a better one). In small bf16 problems this exceeds twice the rounding
+    of an exact O (issue 11, item 13), while the reduction itself is exact to float32 (see
+    ``test_gpu_reliability.py::test_dsink_error_over_a_grid``)."""
+    if out_got is None or tuple(out_got.shape) != tuple(out_ref.shape):
+        return 0.0
+    with_got = flash_style_dsinks(out_got.detach(), lse_ref, grad_out, sinks.detach().double(), torch.float64)
+    exact = flash_style_dsinks(out_ref, lse_ref, grad_out, sinks.detach().double(), torch.float64)
+    return (with_got - exact).abs().max().item()
 
 
 def evaluate_call(api: str, args: tuple, kwargs: dict, *, grads: bool = True, floor_rel: float | None = None, grad_seed: int = 0) -> dict:
@@ -306,7 +323,8 @@ def evaluate_call(api: str, args: tuple, kwargs: dict, *, grads: bool = True, fl
         base = lowp[name] if lowp[name] is not None else torch.zeros_like(want)
         magnitude = grad_out.abs().max().item() if name.startswith("d") and grad_out.numel() else 0.0
         flash = flash_style_dsinks(ref["out"], ref["lse"], grad_out, sinks, low) if name == "dsinks" else None
-        checks.append(compare_tensors(name, got[name], want, base, floor_rel=floor_rel, magnitude=magnitude, flash=flash))
+        implied = implied_dsinks_error(got["out"], ref["out"], ref["lse"], grad_out, sinks) if name == "dsinks" else 0.0
+        checks.append(compare_tensors(name, got[name], want, base, floor_rel=floor_rel, magnitude=magnitude, flash=flash, implied=implied))
     # Structurally zero rows must be exactly zero: rows that see no key (out, dq), keys no row sees (dk, dv).
     row_dim = 0 if api != "dense" else 2
     for name, mask_name in (("out", "zero_q"), ("dq", "zero_q"), ("dk", "zero_kv"), ("dv", "zero_kv")):

@@ -93,3 +93,24 @@ def test_token_major_copies_every_packed_layout_but_the_compact_one():
         assert copied.is_contiguous() and torch.equal(copied, interleaved)
     contiguous = torch.randn(10, 4, 8)
     assert token_major(contiguous) is contiguous
+
+
+def test_the_eager_shortcut_is_taken_only_without_dispatch_modes_or_subclasses():
+    # cudnn_forward skips the dispatcher only when nothing between the caller and the kernels must see the op.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from cudnn_attention import _compat
+    from cudnn_attention.cudnn_ops import _eager_safe
+
+    class Watching(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    q = torch.randn(1, 1, 4, 8)
+    assert _compat.plain_dispatch() and _eager_safe(q, q, q)
+    with Watching():
+        assert not _compat.plain_dispatch() and not _eager_safe(q, q, q)
+    assert not _eager_safe(torch.nn.Parameter(q), q, q)
+    seen = []
+    torch.func.grad(lambda x: (seen.append(_compat.plain_dispatch()), x.sum())[1])(q)
+    assert seen == [False]  # functorch transforms see the op (they need its setup_context form)

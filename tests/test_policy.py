@@ -26,6 +26,17 @@ def test_stats_count_fallback_forward_and_backward_by_reason():
     assert cudnn_attention.stats()["fallback_forward"] == {}
 
 
+def test_flat_stats_is_the_nested_view_in_one_level():
+    from cudnn_attention.policy import flat_stats
+
+    q, k, v = cpu_inputs(requires_grad=True)
+    cudnn_attention.attention(q, k, v, causal=True).sum().backward()
+    flat = flat_stats()
+    assert flat["fallback_forward/cpu tensors"] == 1 and flat["fallback_backward/cpu tensors"] == 1
+    assert flat["cudnn_forward"] == 0 and flat["provider/sdpa_forward"] == 0 and "graph_builds/seconds" in flat
+    assert all(isinstance(value, (int, float)) for value in flat.values())
+
+
 def test_device_reason_is_named():
     q, k, v = cpu_inputs()
     cudnn_attention.attention(q.to("meta"), k.to("meta"), v.to("meta"))

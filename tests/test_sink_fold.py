@@ -1,10 +1,13 @@
-"""The sink fold that serves what cuDNN's sink engine declines (single-query decode): the sink-less
-(out, lse) folded with the sinks equals the sink forward, on the fp32 reference (CPU)."""
+"""The sink fold that serves the sink forward on the sink-less kernel (the default) and what cuDNN's sink
+engine declines (single-query decode): the sink-less (out, lse) folded with the sinks equals the sink
+forward, on the fp32 reference (CPU), including rows whose window leaves them no key (they see the sink
+alone) and absent rows (padding, capacity tails, documents without keys: they see no sink)."""
 
 import torch
 
-from cudnn_attention.cudnn_ops import fold_sinks
-from cudnn_attention.masking import make_mask_spec
+from cudnn_attention.cudnn_ops import _packed_absent_rows
+from cudnn_attention.fused_sinks import fold_sinks
+from cudnn_attention.masking import effective_lengths, make_mask_spec
 from cudnn_attention.reference import dense_reference, varlen_reference
 
 
@@ -12,28 +15,34 @@ def test_fold_gives_the_sink_forward_dense_with_padding_and_empty_rows():
     torch.manual_seed(0)
     q, k, v = torch.randn(3, 4, 9, 16), torch.randn(3, 2, 11, 16), torch.randn(3, 2, 11, 16)
     sinks = torch.randn(4) * 2
-    lengths = dict(seqlens_q_B=torch.tensor([9, 4, 0]), seqlens_kv_B=torch.tensor([11, 0, 5]))
-    mask = make_mask_spec(causal=True, bottom_right=True, window_size=(3, -1))
-    out, lse = dense_reference(q, k, v, scale=0.3, mask=mask, **lengths)
-    want_out, want_lse = dense_reference(q, k, v, scale=0.3, mask=mask, sinks_H=sinks, **lengths)
-    fold_sinks(out, lse, sinks)
-    torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-6)
-    # Rows with a key agree; rows without one stay -inf (no key: nothing to attend, the sink included).
-    has_key = torch.isfinite(lse)
-    torch.testing.assert_close(lse[has_key], want_lse[has_key], rtol=1e-5, atol=1e-6)
-    assert torch.isneginf(lse[~has_key]).all() and out[1].abs().max() == 0
+    seqlens_q, seqlens_kv = effective_lengths(torch.tensor([9, 4, 3]), torch.tensor([5, 0, 2]), 9, 11)
+    lengths = dict(seqlens_q_B=seqlens_q, seqlens_kv_B=seqlens_kv)
+    # More queries than keys: with either mask some valid rows see no key (they see the sink alone).
+    for mask in (make_mask_spec(causal=True, bottom_right=True, window_size=(3, -1)), make_mask_spec(causal=False, bottom_right=False, window_size=(0, 0))):
+        out, lse = dense_reference(q, k, v, scale=0.3, mask=mask, **lengths)
+        want_out, want_lse = dense_reference(q, k, v, scale=0.3, mask=mask, sinks_H=sinks, **lengths)
+        absent = (torch.arange(9) >= seqlens_q.view(-1, 1)).view(3, 1, 9)
+        assert (torch.isneginf(lse) & ~absent).any()  # the case this test is about
+        fold_sinks(out, lse, sinks, absent)
+        torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-6)
+    assert torch.isneginf(lse[1]).all() and out[1].abs().max() == 0  # a sequence with no key is absent
 
 
 def test_fold_gives_the_sink_forward_packed_and_nan_sinks_stay_nan():
     torch.manual_seed(1)
     q, k, v = torch.randn(20, 4, 16), torch.randn(20, 1, 16), torch.randn(20, 1, 16)
-    cu = torch.tensor([0, 1, 7, 17], dtype=torch.int32)  # a length-1 document and a capacity tail of 3
+    cu_q = torch.tensor([0, 1, 7, 12, 17], dtype=torch.int32)  # a length-1 document and a capacity tail of 3
+    cu_kv = torch.tensor([0, 1, 7, 7, 12], dtype=torch.int32)  # the third document has no key
     mask = make_mask_spec(causal=True, bottom_right=False, window_size=(-1, -1))
     sinks = torch.tensor([0.5, float("nan"), -1.0, 3.0])
-    out, lse = varlen_reference(q, k, v, cu, cu, 10, 10, scale=0.25, mask=mask)
-    want_out, _ = varlen_reference(q, k, v, cu, cu, 10, 10, scale=0.25, mask=mask, sinks_H=sinks)
-    fold_sinks(out, lse, sinks)
-    assert out[:17, 1].isnan().all() and want_out[:17, 1].isnan().all()
-    assert out[17:].abs().max() == 0 and torch.isneginf(lse[17:]).all()
+    out, lse = varlen_reference(q, k, v, cu_q, cu_kv, 6, 6, scale=0.25, mask=mask)
+    want_out, want_lse = varlen_reference(q, k, v, cu_q, cu_kv, 6, 6, scale=0.25, mask=mask, sinks_H=sinks)
+    absent = _packed_absent_rows(cu_q, cu_kv, 20)
+    assert absent.squeeze(-1).tolist() == [False] * 7 + [True] * 5 + [False] * 5 + [True] * 3
+    fold_sinks(out, lse, sinks, absent)
+    assert out[~absent.squeeze(-1)][:, 1].isnan().all() and want_out[~absent.squeeze(-1)][:, 1].isnan().all()
+    assert out[absent.squeeze(-1)].abs().max() == 0 and torch.isneginf(lse[absent.squeeze(-1)]).all()
     keep = [0, 2, 3]
     torch.testing.assert_close(out[:, keep], want_out[:, keep], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(lse[:, keep], want_lse[:, keep], rtol=1e-5, atol=1e-6)

@@ -1,0 +1,201 @@
+"""Every touch of a private API, in one place.
+
+Each function names the private attribute it reaches, the version it was checked against, and what
+replaces it when it moves. Nothing else in the package reaches into private APIs: when torch, the
+cuDNN frontend, transformers or Lightning move one, this module is the only file to change.
+
+The core never imports transformers or Lightning, so their touches take the object to act on as an
+argument (the integration that owns the object passes it in) instead of importing anything.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+__all__ = [
+    "attn_implementation_of",
+    "custom_op_body",
+    "destroy_library",
+    "kernel_registrations",
+    "monitor_throughputs",
+    "op_schema",
+    "parse_schema",
+    "plain_dispatch",
+    "sdp_priority_order",
+    "set_sdp_priority_order",
+    "unregister_interface_entry",
+]
+
+
+# ----------------------------------------------------------------------------------------------
+# torch
+# ----------------------------------------------------------------------------------------------
+
+
+def plain_dispatch() -> bool:
+    """No torch dispatch mode (FakeTensorMode, functionalization, debug modes) and no functorch
+    transform is active: an eager call may skip the dispatcher and see the same result.
+
+    ``torch._C._len_torch_dispatch_stack`` and ``torch._C._are_functorch_transforms_active``:
+    checked against torch 2.9-2.13; when either moves, answer False (the op path serves every case)."""
+    try:
+        return not torch._C._len_torch_dispatch_stack() and not torch._C._are_functorch_transforms_active()
+    except AttributeError:
+        return False
+
+
+# The dispatcher, as the provider sees it: op schemas, who registered which kernel, SDP backend order.
+
+
+def op_schema(packet) -> torch.FunctionSchema:
+    """The schema of an op packet's (``torch.ops.ns.name``) default overload, as the dispatcher holds it.
+
+    ``OpOverload._schema``: checked against torch 2.9-2.15 (run on 2.13). When it moves, parse the
+    ``schema:`` line of ``torch._C._dispatch_dump(name)`` with :func:`parse_schema`."""
+    return packet.default._schema
+
+
+def parse_schema(text: str) -> torch.FunctionSchema:
+    """A schema string (``"ns::op(Tensor query, ...) -> Tensor"``) as the dispatcher would hold it.
+
+    ``torch._C.parse_schema``: checked against torch 2.13 (unchanged since 1.x). When it moves,
+    ``torchgen.model.FunctionSchema.parse`` (shipped with torch) reads the same text."""
+    return torch._C.parse_schema(text)
+
+
+_REGISTRATION = re.compile(r"^(?P<key>[A-Za-z0-9_]+)(?P<inactive> \(inactive\))?: registered at (?P<where>.+?) :: ")
+
+
+def kernel_registrations(qualified_name: str, dispatch_key: str) -> list[str]:
+    """Where each kernel of ``qualified_name`` at ``dispatch_key`` was registered (``"path:line"``): the
+    one the dispatcher runs first, then the ones it shadows, newest first. Empty when there is none.
+
+    ``torch._C._dispatch_dump``, whose ``"CUDA: registered at PATH:LINE :: ..."`` and ``"CUDA
+    (inactive): registered at ..."`` lines were checked against torch 2.13 (same format since 1.x).
+    A Python kernel's PATH:LINE is its ``Library.impl`` call. When the format moves,
+    ``torch._C._dispatch_has_kernel_for_dispatch_key`` still says whether a kernel is there, not whose."""
+    found = []
+    for line in torch._C._dispatch_dump(qualified_name).splitlines():
+        match = _REGISTRATION.match(line)
+        if match and match["key"] == dispatch_key:
+            found.append(match["where"])
+    return found
+
+
+def destroy_library(library: torch.library.Library) -> None:
+    """Deregister every kernel ``library`` registered; the ones they shadowed run again.
+
+    ``Library._destroy``: checked against torch 2.9-2.15 (run on 2.13). When it moves, dropping the
+    last reference does the same (``Library.__init__`` registers it as a ``weakref.finalize``)."""
+    library._destroy()
+
+
+def custom_op_body(op_def):
+    """The Python function a ``torch.library.custom_op`` was defined with (torch's own kernel for it).
+
+    ``CustomOpDef._init_fn``: checked against torch 2.10-2.15 (run on 2.13). When it moves, the same
+    function is the op's ``CompositeExplicitAutograd`` kernel, reachable with
+    ``torch._C._dispatch_get_computed_kernel_for_dispatch_key``."""
+    return op_def._init_fn
+
+
+def sdp_priority_order() -> list[int] | None:
+    """torch's SDP backend priority (``SDPBackend`` values, first tried first); None on a torch without it.
+
+    ``torch._C._get_sdp_priority_order``: added in torch 2.6, checked against 2.9-2.15 (run on 2.13).
+    When it moves, ``torch.nn.attention.sdpa_kernel(backends, set_priority=True)`` sets the same
+    order for one block (public, but scoped)."""
+    getter = getattr(torch._C, "_get_sdp_priority_order", None)
+    return None if getter is None else [int(backend) for backend in getter()]
+
+
+def set_sdp_priority_order(order: list[int]) -> None:
+    """Set what :func:`sdp_priority_order` returns (``torch._C._set_sdp_priority_order``, as there)."""
+    torch._C._set_sdp_priority_order(order)
+
+
+def current_raw_stream(device_index: int) -> int:
+    """torch's current CUDA stream as a raw handle, without building a ``torch.cuda.Stream`` object
+    (about 1 us cheaper per call). ``torch._C._cuda_getCurrentRawStream``: torch 2.9-2.13; the public
+    replacement is ``torch.cuda.current_stream(device_index).cuda_stream``."""
+    getter = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if getter is None:
+        return torch.cuda.current_stream(device_index).cuda_stream
+    return getter(device_index)
+
+
+# ----------------------------------------------------------------------------------------------
+# cuDNN frontend (nvidia-cudnn-frontend)
+# ----------------------------------------------------------------------------------------------
+
+# Checked against nvidia-cudnn-frontend 1.32 (the pin in pyproject.toml). Executing the lowered
+# backend plan with raw pointers costs about 9 us per call on an H200 against 12-17 us for the public
+# ``pygraph.execute``; when these attributes move, lowered_plan() answers None and the public path runs.
+
+
+def lowered_plan(graph):
+    """``(lowered graph, plan index)`` to execute ``graph``'s selected plan with raw pointers, or None.
+    Reaches ``pygraph._lowered_graph``, ``._materialize_backend_plan``, ``._plan_index``, ``._plans`` and
+    the lowered graph's ``_execute_plan_at_index``."""
+    lowered = getattr(graph, "_lowered_graph", None)
+    if lowered is None or not hasattr(lowered, "_execute_plan_at_index") or not getattr(graph, "_plans", None):
+        return None
+    plan = graph._materialize_backend_plan(graph._plan_index)
+    if plan is None or plan.cpp_index is None:
+        return None
+    return lowered, plan.cpp_index
+
+
+def execute_lowered(lowered, pointers: dict, workspace_ptr: int, cpp_index: int, backend_handle) -> None:
+    """Run a plan from :func:`lowered_plan` with ``{uid: data_ptr}`` (``_execute_plan_at_index``, 1.32)."""
+    lowered._execute_plan_at_index(pointers, workspace_ptr, cpp_index, backend_handle, None, None, None)
+
+
+def selected_plan_name(graph) -> str:
+    """The engine plan ``graph`` runs (``pygraph._plan_index``, 1.32; public ``get_plan_name_at_index``)."""
+    return graph.get_plan_name_at_index(getattr(graph, "_plan_index", 0))
+
+
+# ----------------------------------------------------------------------------------------------
+# transformers (objects passed in by integrations/hf)
+# ----------------------------------------------------------------------------------------------
+
+
+def attn_implementation_of(model) -> str | dict | None:
+    """What ``model.set_attn_implementation`` needs to give a transformers model its current implementation
+    back: a string, or for a composite model a dict with ``""`` for the top level and one entry per sub-config.
+
+    ``PreTrainedConfig._attn_implementation``: checked against transformers 5.17-5.24, which have a public
+    setter (``set_attn_implementation``) but no public getter. When it moves, read the config's
+    ``attn_implementation`` if one appears."""
+    config = model.config
+    parts = {}
+    for key in getattr(config, "sub_configs", None) or {}:
+        sub = getattr(config, key, None)
+        if sub is not None:
+            parts[key] = sub._attn_implementation
+    return {"": config._attn_implementation, **parts} if parts else config._attn_implementation
+
+
+def unregister_interface_entry(interface: type, name: str) -> None:
+    """Remove ``name`` from a transformers interface class (``AttentionInterface``, ``AttentionMaskInterface``)
+    for every model, undoing its ``register(name, ...)``; nothing happens when it is absent.
+
+    ``GeneralInterface._global_mapping`` (the class-wide dict ``register`` writes): checked against transformers
+    5.17-5.24, which have no public way to remove an entry. When it moves, use the removal transformers adds."""
+    interface._global_mapping.pop(name, None)
+
+
+# ----------------------------------------------------------------------------------------------
+# Lightning (objects passed in by integrations/lightning)
+# ----------------------------------------------------------------------------------------------
+
+
+def monitor_throughputs(monitor) -> list:
+    """The ``Throughput`` objects a ``ThroughputMonitor`` built in its ``setup`` (one per running stage).
+
+    ``ThroughputMonitor._throughputs``: checked against lightning 2.6 (and its ``pytorch_lightning`` twin). When
+    it moves, a monitor subclass builds them itself in ``setup`` (Lightning's own is eight lines) with the peak."""
+    return list(monitor._throughputs.values())

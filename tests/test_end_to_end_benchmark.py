@@ -1,0 +1,106 @@
+"""benchmarks/end_to_end.py: its ``--quick`` run end to end, the profile arithmetic, the packing, and the gpt-oss masks."""
+
+import itertools
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # what `python benchmarks/end_to_end.py` does
+
+import end_to_end
+
+
+def _expected_error(row: dict) -> bool:
+    """The rows a run may fail honestly: gpt-oss has no sdpa; flex_attention has no backward (nor sinks) on a CPU."""
+    if row["config"] == "gpt-oss" and row["implementation"] == "sdpa":
+        return row["error"].startswith("not supported")
+    return row["implementation"] == "flex_attention" and not torch.cuda.is_available()
+
+
+def test_quick_run_reports_every_implementation(tmp_path):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tensors of 256 x 64: OpenMP threads only spin-wait against each other on a busy 2-core runner
+    try:
+        rows = end_to_end.main(["--quick", "--out", str(tmp_path)])
+    finally:
+        torch.set_num_threads(threads)
+    payload = json.loads((tmp_path / "end_to_end.json").read_text())
+    table = (tmp_path / "end_to_end.md").read_text()
+    assert payload["rows"] == json.loads(json.dumps(rows, default=str))
+    for config in end_to_end.SETUPS:
+        found = {(r["implementation"], r["packing"]) for r in payload["rows"] if r["config"] == config}
+        expected = {(impl, "position_ids") for impl in end_to_end.IMPLEMENTATIONS}
+        expected |= {(impl, "flash kwargs") for impl in end_to_end.BOTH_PACKINGS}
+        assert found == expected, config
+    for row in payload["rows"]:
+        assert f"| {row['config']} | {row['implementation']} | {row['packing']} |" in table
+        if "error" in row:
+            assert _expected_error(row), row
+            continue
+        assert math.isfinite(row["tokens_per_s"]) and row["tokens_per_s"] > 0, row
+        assert math.isfinite(row["step_ms"]) and row["step_ms"] > 0, row
+        shares = [row["profile"][f"{what}_pct"] for what in ("attention", "copies", "other", "idle")]
+        assert all(math.isfinite(share) and share >= 0 for share in shares), row
+        assert row["profile"]["top_kernels"], row
+    measured = [r for r in payload["rows"] if "error" not in r]
+    assert {r["implementation"] for r in measured} >= {"cudnn", "eager"}
+    # every measured row of a configuration with an sdpa row is compared with it
+    assert all("vs_sdpa_tokens" in r for r in measured if r["config"] != "gpt-oss")
+    if not torch.cuda.is_available():
+        assert "exact PyTorch fallback" in table
+        assert all(r["note"].startswith("exact fallback") for r in payload["rows"] if r["implementation"] == "cudnn")
+
+
+def test_summarize_counts_overlaps_once_and_idle_against_the_step():
+    kernels = [
+        ("cudnn_generated_fort_native_sdpa_sm90_fprop", 0.0, 10.0),
+        ("void at::native::direct_copy_kernel_cuda", 5.0, 14.0),  # overlaps the first on another stream
+        ("sm90_xmma_gemm_bf16bf16", 20.0, 30.0),
+        ("Memcpy DtoD (Device -> Device)", 30.0, 32.0),
+        ("sm90_xmma_gemm_bf16bf16", 32.0, 40.0),
+    ]
+    summary = end_to_end.summarize(kernels, 50.0, top=2)
+    assert summary["attention_pct"] == pytest.approx(20.0)
+    assert summary["copies_pct"] == pytest.approx(22.0)
+    assert summary["other_pct"] == pytest.approx(36.0)
+    assert summary["busy_ms"] == pytest.approx(0.034)  # [0, 14] and [20, 40]
+    assert summary["idle_pct"] == pytest.approx(32.0)
+    assert [(k["name"], k["calls"], k["category"]) for k in summary["top_kernels"]] == [
+        ("sm90_xmma_gemm_bf16bf16", 2, "other"),
+        ("cudnn_generated_fort_native_sdpa_sm90_fprop", 1, "attention"),
+    ]
+
+
+@pytest.mark.parametrize("name", list(end_to_end.SETUPS))
+def test_document_lengths_fill_each_step_within_range(name):
+    setup = end_to_end.SETUPS[name]
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        lengths = end_to_end.document_lengths(setup, generator)
+        assert sum(lengths) == setup.tokens
+        shortest, longest = setup.doc_range
+        rest = list(lengths)
+        if setup.lead_document:
+            rest.remove(setup.lead_document)
+        assert all(shortest <= n <= longest for n in rest), lengths
+
+
+def test_gpt_oss_document_masks_keep_documents_apart():
+    """Eager on the packed row with document_masks gives each document's own logits (without them it would not:
+    transformers' gpt-oss builds its masks without position_ids)."""
+    setup = end_to_end.quick(end_to_end.SETUPS["gpt-oss"])
+    model = end_to_end.build_model(setup, "cpu").float().eval()
+    batch = end_to_end.make_batches(setup, 1, "cpu")[0]
+    positions = batch["position_ids"]
+    starts = [*(positions[0] == 0).nonzero().flatten().tolist(), positions.shape[1]]
+    assert len(starts) > 2  # several documents
+    with torch.no_grad():
+        alone = torch.cat([model(input_ids=batch["input_ids"][:, a:b]).logits for a, b in itertools.pairwise(starts)], dim=1)
+        packed = model(
+            input_ids=batch["input_ids"], position_ids=positions, attention_mask=end_to_end.document_masks(model, positions)
+        ).logits
+    torch.testing.assert_close(packed, alone, rtol=1e-5, atol=1e-5)
