@@ -11,6 +11,9 @@ predicate for both directions that :func:`cudnn_attention.attention` uses, so a 
 here and finishes elsewhere). Everything else runs torch's own implementation, and is counted
 (``stats()["provider"]["torch_forward"]``) with its reason.
 
+The varlen kernels bind their arguments by the op's schema, not by position
+(:class:`VarlenSignature`): the ops gained arguments in every release from 2.10 to 2.15.
+
 Legend: B batch, H heads, S sequence, D head dim, T packed tokens.
 """
 
@@ -21,12 +24,13 @@ from typing import NamedTuple
 import torch
 
 from . import validation
+from .call import AttentionCall
 from .cudnn_ops import resolve_cudnn
 from .layouts import token_major
 from .masking import make_mask_spec
 from .policy import count_provider
 
-__all__ = ["sdpa_backward", "sdpa_forward", "varlen_backward", "varlen_forward", "varlen_forward_out"]
+__all__ = ["VarlenCall", "VarlenSignature", "sdpa_backward", "sdpa_forward", "varlen_kernels"]
 
 _NO_WINDOW = (-1, -1)
 
@@ -70,10 +74,8 @@ def _resolve(q, k, v, *, cu_seqlens_q, cu_seqlens_kv, max_q, max_kv, is_causal, 
     mask = make_mask_spec(causal=is_causal, bottom_right=bottom_right, window_size=window_size)
     if validation.nothing_to_compute(q, k, max_seqlen_q=max_q, max_seqlen_kv=max_kv):
         return q, k, v, scale, mask, "empty inputs"
-    _graph, reason = resolve_cudnn(
-        q, k, v, has_sinks=False, padded=False, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_q, max_seqlen_kv=max_kv, scale=scale,
-        left=mask.left, right=mask.right, bottom_right=mask.bottom_right, need_lse=needs_grad, needs_grad=needs_grad,
-    )  # fmt: skip
+    call = AttentionCall(packed, False, cu_seqlens_q.shape[0] - 1 if packed else 0, max_q, max_kv, scale, mask, False, needs_grad, needs_grad)
+    _plan, reason = resolve_cudnn(q, k, v, call)
     return q, k, v, scale, mask, reason
 
 
@@ -163,10 +165,17 @@ def _unfold_dq(dq, scale, head_dim: int):
 # ----------------------------------------------------------------------------------------------
 
 
-class _VarlenCall(NamedTuple):
-    """The arguments of ``torch_attn::_varlen_attn`` (and of ``_out`` after ``out``) as of torch 2.13.
-    Kernels take ``*args, **kwargs`` and hand them to torch's body verbatim, so an older schema
-    with fewer trailing arguments still works (the missing ones keep these defaults)."""
+class VarlenCall(NamedTuple):
+    """One call of a ``torch_attn`` varlen op, its arguments bound by name from the op's schema.
+
+    Fields are the arguments these kernels read, across torch 2.10-2.15. One a release's schema
+    lacks keeps its default here: it names a feature that release does not have (2.10 has no
+    ``scale`` or ``window_size``; ``enable_gqa`` to ``num_splits`` came in 2.12). ``out`` is the
+    output buffer of ``_varlen_attn_out`` and the forward's output in ``_varlen_attn_backward``;
+    ``grad_out``, ``lse`` and ``rng_state`` are the backward's. ``unknown`` names the arguments
+    this module does not know that carry a value other than their schema default (a feature of
+    a newer torch): such a call goes to torch's own kernel.
+    """
 
     query: torch.Tensor
     key: torch.Tensor
@@ -182,46 +191,112 @@ class _VarlenCall(NamedTuple):
     seqused_k: torch.Tensor | None = None
     block_table: torch.Tensor | None = None
     num_splits: int | None = None
+    out: torch.Tensor | None = None
+    grad_out: torch.Tensor | None = None
+    lse: torch.Tensor | None = None
+    rng_state: torch.Tensor | None = None
+    unknown: tuple[str, ...] = ()
 
 
-class _VarlenBackwardCall(NamedTuple):
-    """The arguments of ``torch_attn::_varlen_attn_backward`` as of torch 2.13."""
-
-    grad_out: torch.Tensor
-    query: torch.Tensor
-    key: torch.Tensor
-    value: torch.Tensor
-    out: torch.Tensor
-    lse: torch.Tensor
-    cu_seq_q: torch.Tensor
-    cu_seq_k: torch.Tensor | None
-    max_q: int
-    max_k: int
-    is_causal: bool
-    rng_state: torch.Tensor
-    scale: float | None = None
-    window_size: list | None = None
+_VARLEN_FIELDS = frozenset(VarlenCall._fields) - {"unknown"}
+_VARLEN_DEFAULTS = tuple((name, VarlenCall._field_defaults.get(name)) for name in VarlenCall._fields if name != "unknown")
+# torch 2.15's ``backend`` (an SDPBackend value, flash or cuDNN) picks which of torch's kernels the
+# op's body runs. These kernels replace that body, and hand it the value unchanged when torch serves.
+_TORCH_KERNEL_CHOICES = frozenset({"backend"})
+_REQUIRED = object()
 
 
-def _stock(op_name: str):
-    """torch's own Python body of a ``torch_attn`` custom op (the flash kernels): the CUDA override
-    shadows it in the dispatcher, but it is still a plain function on the op's definition."""
-    from torch.nn.attention import varlen
+class VarlenSignature:
+    """How the dispatcher passes one ``torch_attn`` varlen op's arguments to a Python kernel, read from the op's schema.
 
-    return getattr(varlen, op_name)._init_fn
+    The dispatcher passes the schema's positional arguments by position, leaving out trailing
+    ones equal to their defaults, and keyword-only ones by name. Binding by the schema's names
+    keeps one kernel right for every release: torch 2.15 appended ``backend`` to all three ops,
+    which a binding by position took for one argument too many (a TypeError on every call).
+    Written out (about 4 us a call) rather than through ``inspect.Signature.bind`` (20 us).
+    """
+
+    def __init__(self, schema):
+        self.name = schema.name
+        self._positional = tuple(arg.name for arg in schema.arguments if not arg.kwarg_only)
+        self._defaults = {arg.name: arg.default_value if arg.has_default_value() else _REQUIRED for arg in schema.arguments}
+        # Arguments not read here and not known to be harmless: a call that sets one goes to torch.
+        self._unknown = {
+            name: default for name, default in self._defaults.items() if name not in _VARLEN_FIELDS and name not in _TORCH_KERNEL_CHOICES
+        }
+
+    def bind(self, args: tuple, kwargs: dict) -> VarlenCall:
+        """The call the dispatcher made with ``args``/``kwargs``; TypeError when they do not fit the schema."""
+        if len(args) > len(self._positional):
+            raise TypeError(f"{self.name} takes {len(self._positional)} positional arguments but {len(args)} were given")
+        values = dict(zip(self._positional, args))
+        for name, value in kwargs.items():
+            if name not in self._defaults or name in values:
+                raise TypeError(f"{self.name} got an unexpected or repeated argument {name!r}")
+            values[name] = value
+        if len(values) < len(self._defaults):
+            for name, default in self._defaults.items():
+                if name not in values:
+                    if default is _REQUIRED:
+                        raise TypeError(f"{self.name} is missing its argument {name!r}")
+                    values[name] = default
+        unknown = tuple(name for name, default in self._unknown.items() if not _is_default(values[name], default))
+        return VarlenCall(*[values.get(name, default) for name, default in _VARLEN_DEFAULTS], unknown)
+
+    def __repr__(self) -> str:
+        return f"VarlenSignature({self.name}({', '.join(self._defaults)}))"
 
 
-def _varlen_resolve(call):
+def _is_default(value, default) -> bool:
+    if default is _REQUIRED:
+        return False  # a required argument this module does not know: it always means something
+    return value is default or (not isinstance(value, torch.Tensor) and value == default)
+
+
+def varlen_kernels(*, schemas: dict, torch_kernels: dict) -> dict:
+    """CUDA kernels for the ``torch_attn`` varlen ops named in ``schemas`` (``{"_varlen_attn": schema, ...}``).
+
+    Each binds its arguments by its op's schema (:class:`VarlenSignature`), so one set of kernels
+    serves every torch from 2.10 (the first with these ops) to 2.15. A call these kernels do not
+    serve goes to ``torch_kernels[name]`` (torch's own body of that op) with the arguments exactly
+    as the dispatcher passed them.
+    """
+    unknown_ops = sorted(set(schemas) - set(_VARLEN_SERVE))
+    if unknown_ops:
+        raise ValueError(f"no override for torch_attn ops {unknown_ops}; name only {sorted(_VARLEN_SERVE)}")
+    return {name: _varlen_kernel(name, VarlenSignature(schema), torch_kernels[name]) for name, schema in schemas.items()}
+
+
+def _varlen_kernel(name: str, signature: VarlenSignature, torch_kernel):
+    serve, direction = _VARLEN_SERVE[name]
+
+    def kernel(*args, **kwargs):
+        call = signature.bind(args, kwargs)
+        q, k, v, scale, mask, reason = _varlen_resolve(call)
+        if reason is not None:
+            count_provider(f"torch_{direction}", reason)
+            return torch_kernel(*args, **kwargs)
+        return serve(call, q, k, v, scale, mask)
+
+    # Named for its op: every kernel is otherwise "kernel" in tracebacks and profiles.
+    kernel.__name__ = kernel.__qualname__ = f"cudnn_attention_{name.lstrip('_')}"
+    return kernel
+
+
+def _varlen_resolve(call: VarlenCall):
     """``(q, k, v, scale, mask, reason)`` for a varlen call (forward or backward)."""
-    if getattr(call, "seqused_k", None) is not None or getattr(call, "block_table", None) is not None:
+    if call.unknown:
+        return None, None, None, None, None, f"arguments this version of cudnn_attention does not know: {', '.join(call.unknown)}"
+    if call.seqused_k is not None or call.block_table is not None:
         return None, None, None, None, None, "paged or partially used KV cache (seqused_k/block_table)"
-    if getattr(call, "num_splits", None) is not None:
+    if call.num_splits is not None:
         return None, None, None, None, None, "num_splits (flash's split-KV control)"
     if call.cu_seq_k is None:
         return None, None, None, None, None, "no cu_seq_k"
     window = (-1, -1) if call.window_size is None else tuple(int(bound) for bound in call.window_size)
     # torch's varlen ops run FlashAttention, whose causal/window diagonal is anchored at the last
     # query and key of each document (bottom right); identical to top left when lengths match.
+    # (torch 2.15's cuDNN backend keeps that meaning: it declines the cases where cuDNN's differs.)
     # Always resolved as a training call: the op cannot see whether a backward will follow, and
     # one verdict for both directions keeps the LSE handed between them consistent.
     # Token-major in both directions (the forward's graph and the backward's must see one layout): see token_major.
@@ -232,64 +307,43 @@ def _varlen_resolve(call):
     )  # fmt: skip
 
 
-def _varlen_run(call, q, k, v, scale, mask):
+def _varlen_run(call: VarlenCall, q, k, v, scale, mask):
     validation.check_prefix_sums(call.cu_seq_q, call.cu_seq_k, q.shape[0], k.shape[0], call.max_q, call.max_k, validate=False)
     out, lse_TH = torch.ops.cudnn_attention.forward(
-        q,
-        k,
-        v,
-        None,
-        None,
-        None,
-        call.cu_seq_q,
-        call.cu_seq_k,
-        call.max_q,
-        call.max_k,
-        scale,
-        mask.left,
-        mask.right,
-        mask.bottom_right,
-        True,
-    )
+        q, k, v, None, None, None, call.cu_seq_q, call.cu_seq_k, call.max_q, call.max_k, scale, mask.left, mask.right, mask.bottom_right, True,
+    )  # fmt: skip
     count_provider("varlen_forward")
     # torch's varlen LSE is (H, T), contiguous (its fake kernel allocates it so).
     return out, lse_TH.t().contiguous()
 
 
-def varlen_forward(*args, **kwargs):
-    """``torch_attn::_varlen_attn`` on CUDA: ``(out (T, H, D), lse (H, T) float32, rng_state (2,) uint64)``."""
-    call = _VarlenCall(*args, **kwargs)
-    q, k, v, scale, mask, reason = _varlen_resolve(call)
-    if reason is not None:
-        count_provider("torch_forward", reason)
-        return _stock("_varlen_attn")(*args, **kwargs)
+def _serve_forward(call: VarlenCall, q, k, v, scale, mask):
+    """``_varlen_attn``: ``(out (T, H, D), lse (H, T) float32, rng_state (2,) uint64)``."""
     out, lse_HT = _varlen_run(call, q, k, v, scale, mask)
     # No dropout: torch's own body returns zeros here too.
     return out, lse_HT, torch.zeros((2,), dtype=torch.uint64, device=q.device)
 
 
-def varlen_forward_out(out, *args, **kwargs):
-    """``torch_attn::_varlen_attn_out`` on CUDA: writes ``out`` and returns ``lse`` (H, T)."""
-    call = _VarlenCall(*args, **kwargs)
-    q, k, v, scale, mask, reason = _varlen_resolve(call)
-    if reason is not None:
-        count_provider("torch_forward", reason)
-        return _stock("_varlen_attn_out")(out, *args, **kwargs)
+def _serve_forward_out(call: VarlenCall, q, k, v, scale, mask):
+    """``_varlen_attn_out``: writes ``out`` and returns ``lse`` (H, T)."""
     result, lse_HT = _varlen_run(call, q, k, v, scale, mask)
-    out.copy_(result)
+    call.out.copy_(result)
     return lse_HT
 
 
-def varlen_backward(*args, **kwargs):
-    """``torch_attn::_varlen_attn_backward`` on CUDA: ``(dq, dk, dv)``."""
-    call = _VarlenBackwardCall(*args, **kwargs)
-    q, k, v, scale, mask, reason = _varlen_resolve(call)
-    if reason is not None:
-        count_provider("torch_backward", reason)
-        return _stock("_varlen_attn_backward")(*args, **kwargs)
+def _serve_backward(call: VarlenCall, q, k, v, scale, mask):
+    """``_varlen_attn_backward``: ``(dq, dk, dv)``."""
     dq, dk, dv, _ = torch.ops.cudnn_attention.backward(
         call.grad_out, q, k, v, call.out, call.lse.t().contiguous(), None, None, None, call.cu_seq_q, call.cu_seq_k, call.max_q, call.max_k,
         scale, mask.left, mask.right, mask.bottom_right, torch.are_deterministic_algorithms_enabled(),
     )  # fmt: skip
     count_provider("varlen_backward")
     return _unfold_dq(dq, call.scale, call.query.shape[-1]), dk, dv
+
+
+# op name -> (what serves it, the direction its hand-offs to torch are counted under)
+_VARLEN_SERVE = {
+    "_varlen_attn": (_serve_forward, "forward"),
+    "_varlen_attn_out": (_serve_forward_out, "forward"),
+    "_varlen_attn_backward": (_serve_backward, "backward"),
+}

@@ -124,8 +124,9 @@ def test_compiled_sdpa_runs_on_our_op():
         torch.testing.assert_close(got, want)
 
 
-def test_varlen_op_runs_on_our_op_and_matches_reference():
-    pytest.importorskip("torch.nn.attention.varlen")
+@pytest.mark.parametrize("route", ["op, causal", "varlen_attn"])
+def test_varlen_op_runs_on_our_op_and_matches_reference(route):
+    varlen = pytest.importorskip("torch.nn.attention.varlen")
     if not hasattr(torch.ops.torch_attn, "_varlen_attn"):
         pytest.skip("torch without torch_attn::_varlen_attn")
     lengths = [100, 37, 256, 64]
@@ -135,12 +136,18 @@ def test_varlen_op_runs_on_our_op_and_matches_reference():
     grad_out = torch.randn_like(q)
     cudnn_attention.reset_stats()
     with cudnn_attention.enabled():
-        # The op behind torch.nn.attention.varlen.varlen_attn (positional: its public signature varies by release).
-        out = torch.ops.torch_attn._varlen_attn(q, k, v, cu, cu, max(lengths), max(lengths), True)[0]
+        if route == "varlen_attn":
+            # The public function, which passes the op every argument of this release's schema
+            # (2.15's backend too): the kernels' binding by schema, as this torch calls them.
+            out = varlen.varlen_attn(q, k, v, cu, cu, max(lengths), max(lengths))
+        else:
+            # The op behind torch.nn.attention.varlen.varlen_attn (positional: its public signature varies by release).
+            out = torch.ops.torch_attn._varlen_attn(q, k, v, cu, cu, max(lengths), max(lengths), True)[0]
         grads = torch.autograd.grad(out, (q, k, v), grad_out)
     stats = cudnn_attention.stats()
     assert stats["provider"]["varlen_forward"] == 1 and stats["provider"]["varlen_backward"] == 1, stats
-    mask = MaskSpec(-1, 0, False)
+    assert not stats["provider"]["torch_forward"] and not stats["provider"]["torch_backward"], stats
+    mask = MaskSpec(-1, 0 if route == "op, causal" else -1, False)
     results = {}
     for dtype in (torch.float32, torch.bfloat16):
         leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
@@ -150,6 +157,32 @@ def test_varlen_op_runs_on_our_op_and_matches_reference():
     assert_within_lowp_noise("varlen out", out, ref, lowp)
     for name, got, want, base in zip(("dq", "dk", "dv"), grads, ref_grads, lowp_grads):
         assert_within_lowp_noise(f"varlen {name}", got, want, base)
+
+
+def test_the_frontends_provider_serves_until_replaced_and_again_after_remove():
+    # What tests/test_provider_conflicts.py checks in the dispatcher's records, seen in who runs the call.
+    upstream = pytest.importorskip("cudnn.torch")
+    q, k, v, _ = _dense_inputs()
+
+    def upstream_forwards():
+        with torch.no_grad(), sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            before = upstream.calls["fwd"]
+            F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return upstream.calls["fwd"] - before
+
+    theirs = upstream.install_sdpa_overrides()
+    try:
+        assert upstream_forwards() == 1
+        with pytest.raises(provider.ProviderConflictError, match="cudnn.torch"):
+            cudnn_attention.install()
+        with pytest.warns(provider.ProviderConflictWarning, match="cudnn.torch"):
+            handle = cudnn_attention.install(replace_existing=True)
+        cudnn_attention.reset_stats()
+        assert upstream_forwards() == 0 and cudnn_attention.stats()["provider"]["sdpa_forward"] == 1
+        handle.remove()
+        assert upstream_forwards() == 1 and cudnn_attention.stats()["provider"]["sdpa_forward"] == 1
+    finally:
+        theirs.remove()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -185,7 +218,7 @@ def test_lightning_bf16_fit_runs_every_layer_on_cudnn_and_reports_mfu(tmp_path):
     from lightning.pytorch.loggers import CSVLogger
 
     from cudnn_attention.integrations.lightning import CudnnAttention, CudnnThroughputMonitor
-    from cudnn_attention.throughput import dense_bf16_peak_flops
+    from cudnn_attention.integrations.throughput import dense_bf16_peak_flops
 
     model = _model()
     monitor = CudnnThroughputMonitor(batch_size_fn=lambda batch: batch[0].shape[0], length_fn=lambda batch: batch[0].numel(), window_size=2)

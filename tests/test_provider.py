@@ -2,25 +2,25 @@
 
 The overrides are CUDA kernels, so a CPU-only torch never runs them. The plumbing tests register
 the same kernel functions at the CPU key, with CPU stand-ins for this project's ops (the exact
-reference) and for torch's cuDNN worker ops (plain math): they check that torch's autograd
-formulas, our kernels and the ops they call agree on every argument and output, and that each path
-is counted. The GPU tests (tests/test_gpu_provider.py) check the real kernels.
+reference, tests/provider_cpu.py) and for torch's cuDNN worker ops (plain math): they check that
+torch's autograd formulas, our kernels and the ops they call agree on every argument and output,
+and that each path is counted. The GPU tests (tests/test_gpu_provider.py) check the real kernels.
+The varlen kernels against every torch release's schema: tests/test_provider_varlen_schemas.py;
+other providers of the same kernels: tests/test_provider_conflicts.py.
 """
 
+import itertools
+import pathlib
 import subprocess
 import sys
-import threading
-
-import itertools
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import cudnn_attention
-from cudnn_attention import provider, sdpa_overrides
-from cudnn_attention.masking import MaskSpec
-from cudnn_attention.reference import dense_reference, varlen_reference
+from cudnn_attention import _compat, provider, sdpa_overrides
+from provider_cpu import in_fresh_thread, our_ops_on_cpu
 
 DENSE_OPS = ("aten::_scaled_dot_product_cudnn_attention", "aten::_scaled_dot_product_cudnn_attention_backward")
 VARLEN_OPS = ("torch_attn::_varlen_attn", "torch_attn::_varlen_attn_out", "torch_attn::_varlen_attn_backward")
@@ -28,7 +28,7 @@ VARLEN_OPS = ("torch_attn::_varlen_attn", "torch_attn::_varlen_attn_out", "torch
 
 def _ours_registered(op: str) -> bool:
     # The dispatcher records where each kernel was registered: ours name provider.py.
-    return "provider.py" in torch._C._dispatch_dump(op)
+    return any(where.startswith(provider.__file__) for where in _compat.kernel_registrations(op, "CUDA"))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -43,8 +43,8 @@ def test_install_is_idempotent_and_remove_restores_torch_kernels():
     assert cudnn_attention.install() is handle  # same live handle, nothing registered twice
     assert all(_ours_registered(op) for op in DENSE_OPS + VARLEN_OPS)
     assert set(handle.overridden_ops) == set(DENSE_OPS + VARLEN_OPS)
-    dump = torch._C._dispatch_dump("aten::_scaled_dot_product_cudnn_attention")
-    assert dump.count("provider.py") == 1, dump
+    registrations = _compat.kernel_registrations("aten::_scaled_dot_product_cudnn_attention", "CUDA")
+    assert len(registrations) == 1 and registrations[0].startswith(provider.__file__), registrations
     handle.remove()
     assert not handle.active and provider.current() is None
     assert not any(_ours_registered(op) for op in DENSE_OPS + VARLEN_OPS)
@@ -58,15 +58,15 @@ def test_install_is_idempotent_and_remove_restores_torch_kernels():
 def test_sdp_backend_settings_are_set_while_installed_and_restored():
     cudnn = int(torch.nn.attention.SDPBackend.CUDNN_ATTENTION)
     before_enabled = torch.backends.cuda.cudnn_sdp_enabled()
-    before_order = list(torch._C._get_sdp_priority_order())
+    before_order = _compat.sdp_priority_order()
     torch.backends.cuda.enable_cudnn_sdp(False)
     try:
         with cudnn_attention.enabled():
             assert torch.backends.cuda.cudnn_sdp_enabled()
-            order = list(torch._C._get_sdp_priority_order())
+            order = _compat.sdp_priority_order()
             assert order[0] == cudnn and sorted(order) == sorted(before_order)
         assert not torch.backends.cuda.cudnn_sdp_enabled()
-        assert list(torch._C._get_sdp_priority_order()) == before_order
+        assert _compat.sdp_priority_order() == before_order
     finally:
         torch.backends.cuda.enable_cudnn_sdp(before_enabled)
 
@@ -106,12 +106,18 @@ def test_torch_registry_activates_and_restores_the_same_switch():
 
 
 def test_import_changes_nothing():
+    # _compat loaded from its file, so that reading the state does not import the package first.
     code = (
-        "import torch; before = (torch._C._dispatch_dump('aten::_scaled_dot_product_cudnn_attention'), torch._C._get_sdp_priority_order(),"
-        " torch.backends.cuda.cudnn_sdp_enabled()); import cudnn_attention;"
-        " after = (torch._C._dispatch_dump('aten::_scaled_dot_product_cudnn_attention'), torch._C._get_sdp_priority_order(),"
-        " torch.backends.cuda.cudnn_sdp_enabled()); assert before == after, (before, after);"
-        " assert cudnn_attention.provider.current() is None; print('ok')"
+        (
+            "import importlib.util, torch; spec = importlib.util.spec_from_file_location('compat', COMPAT);"
+            " compat = importlib.util.module_from_spec(spec); spec.loader.exec_module(compat);"
+            " state = lambda: ([compat.kernel_registrations(op, key) for op in OPS for key in ('CUDA', 'CPU')], compat.sdp_priority_order(),"
+            " torch.backends.cuda.cudnn_sdp_enabled());"
+            " before = state(); import cudnn_attention; after = state(); assert before == after, (before, after);"
+            " assert cudnn_attention.provider.current() is None; print('ok')"
+        )
+        .replace("COMPAT", repr(str(pathlib.Path(_compat.__file__))))
+        .replace("OPS", repr(DENSE_OPS))
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
@@ -120,43 +126,6 @@ def test_import_changes_nothing():
 # ----------------------------------------------------------------------------------------------
 # Plumbing on CPU
 # ----------------------------------------------------------------------------------------------
-
-
-def _in_fresh_thread(fn):
-    # Kernels run below autograd (its dispatch keys are excluded in this thread's TLS); a new
-    # thread starts with autograd on, which is all a stand-in backward needs.
-    result = []
-    worker = threading.Thread(target=lambda: result.append(fn()))
-    worker.start()
-    worker.join()
-    return result[0]
-
-
-def _reference(q, k, v, cu_q, cu_kv, max_q, max_kv, scale, left, right, bottom_right):
-    mask = MaskSpec(left, right, bottom_right)
-    if cu_q is None:
-        return dense_reference(q, k, v, scale=scale, mask=mask)
-    return varlen_reference(q, k, v, cu_q, cu_kv, max_q, max_kv, scale=scale, mask=mask)
-
-
-def _standin_forward(q, k, v, sinks, seqlens_q, seqlens_kv, cu_q, cu_kv, max_q, max_kv, scale, left, right, bottom_right, need_lse):
-    out, lse = _reference(q, k, v, cu_q, cu_kv, max_q, max_kv, scale, left, right, bottom_right)
-    return out, lse if need_lse else torch.empty(0)
-
-
-def _standin_backward(grad_out, q, k, v, out, lse, sinks, seqlens_q, seqlens_kv, cu_q, cu_kv, max_q, max_kv, scale, left, right, bottom_right,
-                      deterministic):  # fmt: skip
-    # The real backward reads lse with our forward's layout: (B, H, S) dense, (T, H) packed, contiguous.
-    expected = (q.shape[0], q.shape[1]) if cu_q is not None else (q.shape[0], q.shape[1], q.shape[2])
-    assert tuple(lse.shape) == expected and lse.is_contiguous() and lse.dtype == torch.float32, (lse.shape, lse.stride())
-
-    def grads():
-        inputs = [t.detach().requires_grad_() for t in (q, k, v)]
-        out, _ = _reference(*inputs, cu_q, cu_kv, max_q, max_kv, scale, left, right, bottom_right)
-        return torch.autograd.grad(out, inputs, grad_out)
-
-    dq, dk, dv = _in_fresh_thread(grads)
-    return dq, dk, dv, torch.empty(0)
 
 
 def _math_with_bias(q, k, v, bias, scale):
@@ -177,17 +146,13 @@ def _standin_torch_backward(grad_out, query, key, value, out, lse, seed, offset,
         inputs = [t.detach().requires_grad_() for t in (query, key, value)]
         return torch.autograd.grad(_math_with_bias(*inputs, attn_bias, scale)[0], inputs, grad_out)
 
-    return _in_fresh_thread(grads)
+    return in_fresh_thread(grads)
 
 
 @pytest.fixture
 def cpu_kernels(monkeypatch):
     """The provider's kernels at the CPU key, with CPU stand-ins for the ops they call."""
-    monkeypatch.setattr(sdpa_overrides, "resolve_cudnn", lambda *args, **kwargs: (None, None))  # "cuDNN serves it"
     monkeypatch.setattr(sdpa_overrides, "lse_has_trailing_one", provider._aten_lse_has_trailing_one())
-    ours = torch.library.Library("cudnn_attention", "IMPL")
-    ours.impl("forward", _standin_forward, "CPU")
-    ours.impl("backward", _standin_backward, "CPU")
     aten = torch.library.Library("aten", "IMPL")
     for name, kernel in provider._DENSE_KERNELS.items():
         aten.impl(name, kernel, "CPU")
@@ -196,9 +161,10 @@ def cpu_kernels(monkeypatch):
     varlen = torch.library.Library("torch_attn", "IMPL")
     for name, kernel in provider._varlen_kernels().items():
         varlen.impl(name, kernel, "CPU")
-    yield
-    for library in (ours, aten, varlen):
-        library._destroy()
+    with our_ops_on_cpu(monkeypatch):
+        yield
+    for library in (aten, varlen):
+        _compat.destroy_library(library)
 
 
 def _qkv(*shape, seed=0):

@@ -1,0 +1,66 @@
+"""CPU stand-ins for the ops the provider's kernels call, so that the kernels run on a CPU-only torch.
+
+The provider's kernels are CUDA kernels. Registered at the CPU key instead, with
+``cudnn_attention::forward``/``backward`` served by the exact reference below, they run torch's
+autograd formulas, our argument handling and the ops they call end to end: what differs on a GPU
+is only the cuDNN computation, which tests/test_gpu_provider.py checks.
+"""
+
+import contextlib
+import threading
+
+import torch
+
+from cudnn_attention import _compat, sdpa_overrides
+from cudnn_attention.masking import MaskSpec
+from cudnn_attention.reference import dense_reference, varlen_reference
+
+
+def in_fresh_thread(fn):
+    # Kernels run below autograd (its dispatch keys are excluded in this thread's TLS); a new
+    # thread starts with autograd on, which is all a stand-in backward needs.
+    result = []
+    worker = threading.Thread(target=lambda: result.append(fn()))
+    worker.start()
+    worker.join()
+    return result[0]
+
+
+def _reference(q, k, v, cu_q, cu_kv, max_q, max_kv, scale, left, right, bottom_right):
+    mask = MaskSpec(left, right, bottom_right)
+    if cu_q is None:
+        return dense_reference(q, k, v, scale=scale, mask=mask)
+    return varlen_reference(q, k, v, cu_q, cu_kv, max_q, max_kv, scale=scale, mask=mask)
+
+
+def standin_forward(q, k, v, sinks, seqlens_q, seqlens_kv, cu_q, cu_kv, max_q, max_kv, scale, left, right, bottom_right, need_lse):
+    out, lse = _reference(q, k, v, cu_q, cu_kv, max_q, max_kv, scale, left, right, bottom_right)
+    return out, lse if need_lse else torch.empty(0)
+
+
+def standin_backward(grad_out, q, k, v, out, lse, sinks, seqlens_q, seqlens_kv, cu_q, cu_kv, max_q, max_kv, scale, left, right, bottom_right,
+                     deterministic):  # fmt: skip
+    # The real backward reads lse with our forward's layout: (B, H, S) dense, (T, H) packed, contiguous.
+    expected = (q.shape[0], q.shape[1]) if cu_q is not None else (q.shape[0], q.shape[1], q.shape[2])
+    assert tuple(lse.shape) == expected and lse.is_contiguous() and lse.dtype == torch.float32, (lse.shape, lse.stride())
+
+    def grads():
+        inputs = [t.detach().requires_grad_() for t in (q, k, v)]
+        out, _ = _reference(*inputs, cu_q, cu_kv, max_q, max_kv, scale, left, right, bottom_right)
+        return torch.autograd.grad(out, inputs, grad_out)
+
+    dq, dk, dv = in_fresh_thread(grads)
+    return dq, dk, dv, torch.empty(0)
+
+
+@contextlib.contextmanager
+def our_ops_on_cpu(monkeypatch):
+    """``cudnn_attention::forward``/``backward`` at the CPU key (the reference), and cuDNN accepting every call."""
+    monkeypatch.setattr(sdpa_overrides, "resolve_cudnn", lambda *args, **kwargs: (None, None))  # "cuDNN serves it"
+    ours = torch.library.Library("cudnn_attention", "IMPL")
+    ours.impl("forward", standin_forward, "CPU")
+    ours.impl("backward", standin_backward, "CPU")
+    try:
+        yield
+    finally:
+        _compat.destroy_library(ours)

@@ -1,0 +1,168 @@
+"""Another provider of the same kernels: install() says so, never winning or losing silently.
+
+nvidia-cudnn-frontend's ``cudnn.torch`` overrides the same five CUDA kernels with ``torch.library``
+(``install_sdpa_overrides()``, which ``activate_flash_attention_impl("CUDNN")`` and torch's
+``enable_cudnn_sdp_python`` call). Registering a kernel needs no GPU, so the real upstream provider
+is used here where the frontend is installed, and a stand-in registered the same way from a file
+of its own everywhere.
+"""
+
+import importlib.util
+import textwrap
+
+import pytest
+import torch
+
+import cudnn_attention
+from cudnn_attention import _compat, provider
+
+DENSE_OPS = ("aten::_scaled_dot_product_cudnn_attention", "aten::_scaled_dot_product_cudnn_attention_backward")
+VARLEN_OPS = ("torch_attn::_varlen_attn", "torch_attn::_varlen_attn_out", "torch_attn::_varlen_attn_backward")
+ALL_OPS = DENSE_OPS + VARLEN_OPS
+
+
+def _running(op: str) -> str:
+    """Who registered the CUDA kernel the dispatcher runs for ``op``: "ours", "upstream", "stand-in" or "torch"."""
+    registrations = _compat.kernel_registrations(op, "CUDA")
+    if not registrations:
+        return "torch"
+    where = registrations[0]
+    if where.startswith(provider.__file__):
+        return "ours"
+    if "cudnn/torch/sdpa_provider.py" in where:
+        return "upstream"
+    if "other_provider.py" in where:
+        return "stand-in"
+    return "torch"  # a CUDA build's own kernel
+
+
+def _sdp_settings():
+    return torch.backends.cuda.cudnn_sdp_enabled(), _compat.sdp_priority_order()
+
+
+@pytest.fixture
+def upstream():
+    """nvidia-cudnn-frontend's provider module (importing it registers only a name in torch's registry)."""
+    return pytest.importorskip("cudnn.torch")
+
+
+@pytest.fixture
+def stand_in(tmp_path):
+    """A provider of the same kernels from a file of its own, registering the way cudnn.torch does."""
+    path = tmp_path / "other_provider.py"
+    path.write_text(
+        textwrap.dedent(
+            """
+            import torch
+            import torch.nn.attention.varlen  # defines the torch_attn ops
+
+
+            def _kernel(*args, **kwargs):
+                raise AssertionError("never called on CPU")
+
+
+            def install():
+                libraries = [torch.library.Library("aten", "IMPL"), torch.library.Library("torch_attn", "IMPL")]
+                for name in ("_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attention_backward"):
+                    libraries[0].impl(name, _kernel, "CUDA")
+                for name in ("_varlen_attn", "_varlen_attn_out", "_varlen_attn_backward"):
+                    libraries[1].impl(name, _kernel, "CUDA")
+                return libraries
+            """
+        )
+    )
+    spec = importlib.util.spec_from_file_location("other_provider", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_install_refuses_the_frontends_provider_and_names_it(upstream):
+    theirs = upstream.install_sdpa_overrides()
+    try:
+        before = _sdp_settings()
+        with pytest.raises(provider.ProviderConflictError) as raised:
+            cudnn_attention.install()
+        message = str(raised.value)
+        assert "nvidia-cudnn-frontend's provider (cudnn.torch" in message and all(op in message for op in ALL_OPS), message
+        assert "install(replace_existing=True)" in message.splitlines()[-1], message
+        # Nothing changed: no kernel of ours, the same SDP settings, no live handle.
+        assert [_running(op) for op in ALL_OPS] == ["upstream"] * len(ALL_OPS)
+        assert _sdp_settings() == before and provider.current() is None
+    finally:
+        theirs.remove()
+
+
+def test_replace_existing_runs_ours_over_it_with_a_warning_and_remove_brings_it_back(upstream):
+    theirs = upstream.install_sdpa_overrides()
+    try:
+        with pytest.warns(provider.ProviderConflictWarning, match=r"nvidia-cudnn-frontend's provider \(cudnn\.torch"):
+            handle = cudnn_attention.install(replace_existing=True)
+        assert [_running(op) for op in ALL_OPS] == ["ours"] * len(ALL_OPS)
+        assert handle.shadowed_by() == {}
+        handle.remove()
+        assert [_running(op) for op in ALL_OPS] == ["upstream"] * len(ALL_OPS)
+    finally:
+        theirs.remove()
+    assert "upstream" not in [_running(op) for op in ALL_OPS]
+
+
+def test_a_provider_registered_over_ours_is_reported_not_silently_served(upstream):
+    handle = cudnn_attention.install()
+    theirs = upstream.install_sdpa_overrides()
+    try:
+        assert sorted(handle.shadowed_by()) == sorted(ALL_OPS) and handle.active
+        with pytest.raises(provider.ProviderConflictError, match="registered over it"):
+            cudnn_attention.install()
+        with pytest.raises(provider.ProviderConflictError, match="registered over it"), cudnn_attention.enabled():
+            pass
+        with pytest.warns(provider.ProviderConflictWarning, match="registered over it"):
+            assert cudnn_attention.install(replace_existing=True) is handle
+        assert handle.shadowed_by() == {} and [_running(op) for op in ALL_OPS] == ["ours"] * len(ALL_OPS)
+        handle.remove()
+        assert [_running(op) for op in ALL_OPS] == ["upstream"] * len(ALL_OPS)
+    finally:
+        handle.remove()
+        theirs.remove()
+
+
+@pytest.mark.skipif(not hasattr(torch.nn.attention, "register_flash_attention_impl"), reason="torch without the flash-attention registry")
+def test_torchs_registry_switches_between_the_two_cleanly(upstream):
+    attention = torch.nn.attention
+    if "CUDNN" not in attention.list_flash_attention_impls():
+        pytest.skip("this frontend and torch register no 'CUDNN' implementation")
+    provider.register_with_torch()
+    attention.activate_flash_attention_impl("CUDNN")
+    try:
+        assert [_running(op) for op in ALL_OPS] == ["upstream"] * len(ALL_OPS)
+        # The registry removes the active implementation before it installs the next: no conflict.
+        attention.activate_flash_attention_impl(provider.TORCH_REGISTRY_NAME)
+        assert [_running(op) for op in ALL_OPS] == ["ours"] * len(ALL_OPS)
+        assert len(_compat.kernel_registrations(DENSE_OPS[0], "CUDA")) == len(_compat.kernel_registrations(DENSE_OPS[1], "CUDA"))
+        assert not any("cudnn/torch/" in where for op in ALL_OPS for where in _compat.kernel_registrations(op, "CUDA"))
+    finally:
+        attention.restore_flash_attention_impl()
+    assert provider.current() is None
+
+
+def test_any_other_override_is_named_by_where_it_was_registered(stand_in):
+    libraries = stand_in.install()
+    try:
+        with pytest.raises(provider.ProviderConflictError, match=r"kernels registered at .*other_provider\.py over aten::"):
+            cudnn_attention.install()
+        with pytest.warns(provider.ProviderConflictWarning, match=r"other_provider\.py"):
+            handle = cudnn_attention.install(replace_existing=True)
+        assert [_running(op) for op in ALL_OPS] == ["ours"] * len(ALL_OPS)
+        handle.remove()
+        assert [_running(op) for op in ALL_OPS] == ["stand-in"] * len(ALL_OPS)
+    finally:
+        for library in libraries:
+            _compat.destroy_library(library)
+
+
+def test_torchs_own_kernels_are_no_conflict():
+    # A CUDA build registers aten's CUDA kernels from C++ sources; every GPU test installs over them.
+    assert provider._registered_by("/__w/pytorch/pytorch/build/aten/src/ATen/RegisterCUDA_0.cpp:21904") == "torch"
+    assert provider._registered_by(f"{torch.__file__.rsplit('/', 1)[0]}/_library/custom_ops.py:1104") == "torch"
+    assert provider._registered_by(f"{provider.__file__}:12") == "us"
+    assert provider._registered_by("/site-packages/cudnn/torch/sdpa_provider.py:301") == "other"
