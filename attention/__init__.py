@@ -6,22 +6,29 @@ Example:
     >>> cudnn_attention.stats()["cudnn_forward"]
     1
 
-Importing this package registers the ``cudnn_attention::forward``/``backward`` ops and changes
-nothing else; the cuDNN frontend is imported on the first GPU call.
+Importing this package registers the ``cudnn_attention::forward``/``backward`` ops and puts one hook on
+``sys.meta_path`` that makes ``attn_implementation="cudnn"`` available once transformers' modeling code loads
+(``cudnn_attention.integrations.hf.unregister()`` removes it); it imports neither transformers nor the
+integrations (if transformers' modeling code is loaded already, the name is registered at once instead), and
+changes nothing else. The cuDNN frontend is imported on the first GPU call.
 """
 
+from . import _transformers_hook
 from .api import attention, varlen_attention
-from .policy import CudnnAttentionFallbackWarning, StrictModeError, is_strict, reset_stats, set_strict, stats, strict
-from .provider import ProviderHandle, enabled, install
+from .policy import CudnnAttentionFallbackWarning, StrictModeError, flat_stats, is_strict, reset_stats, set_strict, stats, strict
+from .provider import ProviderConflictError, ProviderConflictWarning, ProviderHandle, enabled, install
 
-__version__ = "0.1.0"
+__version__ = "0.1.0"  # the one place: pyproject.toml reads it (dynamic version)
 
 __all__ = [
     "CudnnAttentionFallbackWarning",
+    "ProviderConflictError",
+    "ProviderConflictWarning",
     "ProviderHandle",
     "StrictModeError",
     "attention",
     "enabled",
+    "flat_stats",
     "install",
     "is_strict",
     "reset_stats",
@@ -31,8 +38,6 @@ __all__ = [
     "varlen_attention",
 ]
 
-# transformers: make attn_implementation="cudnn" available once its modeling code loads. This
-# only adds a name there, and imports nothing from transformers now.
-from .integrations.hf.registration import register_when_transformers_loads as _register_with_transformers  # noqa: E402
-
-_register_with_transformers()
+# Last, once every name above is bound: when transformers' modeling code is already loaded, this registers
+# "cudnn" now, through the integration, which imports this package.
+_transformers_hook.install()

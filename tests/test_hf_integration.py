@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import cudnn_attention
+from cudnn_attention import _compat
 
 transformers = pytest.importorskip("transformers")
 from hf_models import MODELS, VOCAB, build, documents, packed_batch, padded_batch  # noqa: E402
@@ -27,7 +28,7 @@ def test_registration_makes_the_name_available():
 
     assert hf.is_registered()
     model = build("llama", "cudnn")
-    assert model.config._attn_implementation == "cudnn"
+    assert _compat.attn_implementation_of(model) == "cudnn"
     hf.unregister()
     try:
         assert not hf.is_registered()
@@ -38,12 +39,111 @@ def test_registration_makes_the_name_available():
     assert hf.is_registered()
 
 
-def test_import_does_not_import_transformers():
+def _python(code: str) -> str:
     import subprocess
     import sys
 
-    code = "import cudnn_attention, sys; assert 'transformers' not in sys.modules; print('ok')"
-    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "ok"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout.strip()
+
+
+def test_import_adds_one_removable_hook_and_imports_no_framework():
+    code = """if True:
+        import sys
+        before = list(sys.meta_path)
+        import cudnn_attention
+        added = [type(finder).__name__ for finder in sys.meta_path if finder not in before]
+        assert added == ["RegisterOnLoad"], added
+        frameworks = [m for m in sys.modules if m.split(".")[0] in ("transformers", "lightning", "pytorch_lightning")]
+        assert not frameworks and "cudnn_attention.integrations" not in sys.modules, frameworks
+        from cudnn_attention.integrations import hf
+        hf.unregister()  # before transformers loads: takes the hook back
+        assert sys.meta_path == before
+        import transformers.modeling_utils
+        assert not hf.is_registered()
+        print("ok")
+    """
+    assert _python(code) == "ok"
+
+
+@pytest.mark.parametrize("order", ["cudnn_attention first", "transformers first"])
+def test_the_name_is_registered_whichever_is_imported_first(order):
+    imports = ["import cudnn_attention", "import transformers.modeling_utils"]
+    code = "\n".join(
+        ["import sys", *(imports if order == "cudnn_attention first" else imports[::-1]),
+         "from cudnn_attention.integrations import hf",
+         "assert not any(type(f).__name__ == 'RegisterOnLoad' for f in sys.meta_path)",  # fired (or never needed)
+         "print(hf.is_registered())"]
+    )  # fmt: skip
+    assert _python(code) == "True"
+
+
+def test_the_core_imports_no_framework_and_no_integration():
+    # Anywhere in attention/, function bodies included: the integrations import the core, never the reverse.
+    import ast
+    from pathlib import Path
+
+    offenders = []
+    for path in sorted(Path(cudnn_attention.__file__).parent.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [("." * node.level) + (node.module or "")]
+            else:
+                continue
+            for name in names:
+                if name.split(".")[0] in ("transformers", "lightning", "pytorch_lightning") or "integrations" in name:
+                    offenders.append(f"{path.name}:{node.lineno} {name}")
+    assert not offenders, offenders
+
+
+# ----------------------------------------------------------------------------------------------
+# switch_to_cudnn / ModelSwitch: models built elsewhere, moved to "cudnn" for a while
+# ----------------------------------------------------------------------------------------------
+
+
+def test_switch_moves_every_model_inside_and_gives_each_its_own_back():
+    from cudnn_attention.integrations.hf import ModelSwitch, switch_to_cudnn
+
+    eager, sdpa = build("llama", "eager"), build("mistral", "sdpa")
+    holder = torch.nn.ModuleDict({"a": eager, "b": torch.nn.Sequential(sdpa)})
+    switch = switch_to_cudnn(holder)
+    assert isinstance(switch, ModelSwitch) and switch.models == [eager, sdpa]
+    assert _compat.attn_implementation_of(eager) == _compat.attn_implementation_of(sdpa) == "cudnn"
+    with torch.no_grad():
+        eager(random_ids(1, 5))
+    assert cudnn_attention.stats()["fallback_forward"] == {"cpu tensors": 2}  # the "cudnn" function served both layers
+    switch.restore()
+    assert (_compat.attn_implementation_of(eager), _compat.attn_implementation_of(sdpa)) == ("eager", "sdpa")
+    assert switch.models == []
+    switch.restore()  # idempotent
+    assert _compat.attn_implementation_of(eager) == "eager"
+
+
+def test_nested_switches_leave_a_model_to_the_switch_that_moved_it():
+    from cudnn_attention.integrations.hf import switch_to_cudnn
+
+    model = build("llama", "sdpa")
+    with switch_to_cudnn(model) as outer:
+        with switch_to_cudnn(model) as inner:
+            assert inner.models == [] and outer.models == [model]
+        assert _compat.attn_implementation_of(model) == "cudnn"  # the inner switch did not record "cudnn" as previous
+    assert _compat.attn_implementation_of(model) == "sdpa"
+
+
+def test_switch_restores_on_error_and_reapplies_after_a_move_in_between():
+    from cudnn_attention.integrations.hf import ModelSwitch
+
+    model = build("llama", "eager")
+    switch = ModelSwitch()
+    with pytest.raises(RuntimeError, match="inside"), switch:
+        switch.apply(model)
+        model.set_attn_implementation("sdpa")  # someone else moves it
+        assert switch.apply(model) == 1 and _compat.attn_implementation_of(model) == "cudnn"
+        raise RuntimeError("inside")
+    assert _compat.attn_implementation_of(model) == "eager"
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -297,8 +397,9 @@ def test_compiled_static_cache_decoding_without_a_mask(monkeypatch):
         model.set_attn_implementation("cudnn")
         forward = torch.compile(model.forward, fullgraph=True, backend="eager")
         cache = StaticCache(config=model.config, max_cache_len=16)
-        prefill = forward(ids[:, :4], cache=cache).logits
-        step = forward(ids[:, 4:], cache=cache).logits
+        # (input_ids, attention_mask, position_ids, cache) by position: 5.24 renamed past_key_values to cache.
+        prefill = forward(ids[:, :4], None, None, cache).logits
+        step = forward(ids[:, 4:], None, None, cache).logits
     assert_close_rel(torch.cat([prefill, step], dim=1), expected, "compiled static-cache logits")
 
 

@@ -16,7 +16,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.loggers import Logger
 
 import cudnn_attention
-from cudnn_attention import provider
+from cudnn_attention import _compat, provider
 from cudnn_attention.integrations.lightning import CudnnAttention, fabric_attention
 from cudnn_attention.integrations.lightning import factory
 from lightning_models import TinyLlamaModule, tiny_llama
@@ -61,9 +61,9 @@ def test_cli_flag_runs_hf_model_on_cudnn_inside_training_step_and_restores(tmp_p
     assert any(isinstance(callback, CudnnAttention) for callback in cli.trainer.callbacks)
     assert model.seen_implementations == ["cudnn"] * STEPS
     assert model.seen_provider == [True] * STEPS
-    assert model.initial_implementation == "sdpa" and model.hf.config._attn_implementation == "sdpa"
+    assert model.initial_implementation == "sdpa" and _compat.attn_implementation_of(model.hf) == "sdpa"
     for layer in model.hf.model.layers:  # the implementation is read per call from the shared config
-        assert layer.self_attn.config._attn_implementation == "sdpa"
+        assert _compat.attn_implementation_of(layer.self_attn) == "sdpa"
     stats = cudnn_attention.stats()
     # Every attention call of every step went through the "cudnn" function (on CPU: its exact fallback).
     assert stats["cudnn_forward"] + sum(stats["fallback_forward"].values()) == LAYERS * STEPS
@@ -85,7 +85,7 @@ def test_exception_path_restores_model_provider_and_strict(tmp_path):
     with pytest.raises(cudnn_attention.StrictModeError, match="cpu tensors"):
         trainer.fit(model)
     assert model.seen_implementations == ["cudnn"] and model.seen_provider == [True]
-    assert model.hf.config._attn_implementation == "sdpa"
+    assert _compat.attn_implementation_of(model.hf) == "sdpa"
     # The fixture checks that the provider and strict mode are off again.
 
 
@@ -96,7 +96,7 @@ def test_existing_installation_and_duplicate_callbacks_are_left_alone(tmp_path):
         trainer = Trainer(callbacks=[CudnnAttention(), CudnnAttention()], **_trainer_options(tmp_path))
         trainer.fit(model)
         assert model.seen_implementations == ["cudnn"] * STEPS
-        assert model.hf.config._attn_implementation == "sdpa"  # not "cudnn" recorded by a second switch
+        assert _compat.attn_implementation_of(model.hf) == "sdpa"  # not "cudnn" recorded by a second switch
         assert outer.active and provider.current() is outer  # the callback did not install it, so it keeps it
     finally:
         outer.remove()
@@ -202,13 +202,13 @@ def test_fabric_callback_and_context_manager(tmp_path):
     callback = CudnnAttention()
     fabric = Fabric(accelerator="cpu", devices=1, callbacks=[callback])
     wrapped = fabric.setup(hf)
-    assert hf.config._attn_implementation == "cudnn" and provider.current() is not None
+    assert _compat.attn_implementation_of(hf) == "cudnn" and provider.current() is not None
     callback.deactivate()  # Fabric has no teardown hook
-    assert hf.config._attn_implementation == "sdpa" and provider.current() is None
+    assert _compat.attn_implementation_of(hf) == "sdpa" and provider.current() is None
 
     with fabric_attention(wrapped, strict=True):
-        assert hf.config._attn_implementation == "cudnn" and cudnn_attention.is_strict() and provider.current() is not None
-    assert hf.config._attn_implementation == "sdpa"
+        assert _compat.attn_implementation_of(hf) == "cudnn" and cudnn_attention.is_strict() and provider.current() is not None
+    assert _compat.attn_implementation_of(hf) == "sdpa"
     with pytest.raises(RuntimeError, match="inside"), fabric_attention(wrapped):
         raise RuntimeError("inside")
-    assert hf.config._attn_implementation == "sdpa"
+    assert _compat.attn_implementation_of(hf) == "sdpa"

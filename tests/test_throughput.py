@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from cudnn_attention.throughput import dense_bf16_peak_flops, lookup_dense_bf16_peak_flops
+from cudnn_attention.integrations.throughput import dense_bf16_peak_flops, lookup_dense_bf16_peak_flops
 
 H200 = "NVIDIA H200"  # what torch.cuda.get_device_name() says on an H200 SXM
 

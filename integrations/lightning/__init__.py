@@ -2,12 +2,13 @@
 
 - ``CudnnAttention`` (``lightning.pytorch``; the ``pytorch_lightning`` twin is in
   :mod:`.pytorch_lightning`): installs :func:`cudnn_attention.install` in ``setup``, switches
-  Hugging Face models to ``attn_implementation="cudnn"``, restores everything in ``teardown`` /
+  Hugging Face models to ``attn_implementation="cudnn"`` (with
+  :class:`cudnn_attention.integrations.hf.ModelSwitch`), restores everything in ``teardown`` /
   ``on_exception``. LightningCLI: ``--trainer.callbacks+=cudnn_attention.integrations.lightning.CudnnAttention``;
   unedited scripts: ``CUDNN_ATTENTION=1`` (entry points in :mod:`.factory`).
 - :func:`fabric_attention`: the same switch as a context manager (or ``Fabric(callbacks=[CudnnAttention()])``).
 - ``CudnnThroughputMonitor`` / :func:`make_throughput`: tokens/s and MFU with the dense bf16 peak
-  (Lightning's own table has none for an H200).
+  of :mod:`cudnn_attention.integrations.throughput` (Lightning's own table has none for an H200).
 
 The Lightning classes are imported on first use, so importing this package (as the entry point
 does for every Trainer) needs neither Lightning namespace.

@@ -1,9 +1,10 @@
 """What the Lightning callbacks turn on and off, with no Lightning import: shared by both namespaces and Fabric.
 
 :class:`AttentionSwitch` holds one activation: the provider (:func:`cudnn_attention.install`),
-strict mode, and every Hugging Face model it moved to ``attn_implementation="cudnn"`` with the
-implementation to give back. :class:`CudnnAttentionHooks` maps Lightning's hooks onto it; the
-``CudnnAttention`` classes only add the namespace's ``Callback`` base.
+strict mode, and the Hugging Face models moved to ``attn_implementation="cudnn"`` (a
+:class:`cudnn_attention.integrations.hf.ModelSwitch`, which remembers what to give back).
+:class:`CudnnAttentionHooks` maps Lightning's hooks onto it; the ``CudnnAttention`` classes only add
+the namespace's ``Callback`` base.
 
 Each resource is given back only by the switch that took it: a provider another party installed
 stays installed, a model another switch moved is left to that switch. That keeps nested and
@@ -14,21 +15,17 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import sys
-import weakref
 
 import cudnn_attention
 from cudnn_attention import provider as _provider
+
+from ..hf.model_switch import ModelSwitch
 
 __all__ = ["AttentionSwitch", "CudnnAttentionHooks", "fabric_attention"]
 
 _log = logging.getLogger(__name__)
 
 METRIC_PREFIX = "cudnn_attention/"
-
-# model -> the implementation it had before a switch moved it; shared so that a second switch
-# never records "cudnn" as a model's previous implementation.
-_switched_models: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class AttentionSwitch:
@@ -41,7 +38,7 @@ class AttentionSwitch:
         self._handle = None  # the provider handle, when this switch installed it
         self._strict_previous = None
         self._strict_held = False
-        self._models: list = []  # weak references to the models this switch moved
+        self._models = ModelSwitch()
         self._baseline: dict | None = None
 
     @property
@@ -61,31 +58,15 @@ class AttentionSwitch:
 
     def switch_models(self, module) -> int:
         """Move every Hugging Face model in ``module`` to ``"cudnn"``; returns how many models this switch holds."""
-        if not self.hf_models or "transformers" not in sys.modules:
-            return 0  # no transformers imported: no PreTrainedModel can exist
-        from transformers import PreTrainedModel
-
-        from cudnn_attention.integrations.hf import ATTN_IMPLEMENTATION, register
-
-        register()  # idempotent: "cudnn" in transformers' AttentionInterface and AttentionMaskInterface
-        for model in _outermost(module, PreTrainedModel):
-            if model not in _switched_models:
-                _switched_models[model] = _implementation_of(model)
-                self._models.append(weakref.ref(model))
-            elif not any(ref() is model for ref in self._models):
-                continue  # another switch holds it and will give it back
-            # Re-applied at every stage start: a model built in configure_model, or one a user
-            # moved in between, runs "cudnn" again for the next loop.
-            model.set_attn_implementation(ATTN_IMPLEMENTATION)
-        return len(self._models)
+        if not self.hf_models:
+            return 0
+        # Re-applied at every stage start: a model built in configure_model, or one a user moved
+        # in between, runs "cudnn" again for the next loop.
+        return self._models.apply(module)
 
     def deactivate(self) -> None:
         """Give every model its previous implementation back, remove the provider and strict mode (idempotent)."""
-        for ref in reversed(self._models):
-            model = ref()
-            if model is not None and model in _switched_models:
-                model.set_attn_implementation(_switched_models.pop(model))
-        self._models = []
+        self._models.restore()
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
@@ -227,26 +208,6 @@ def fabric_attention(module, *, strict: bool = False, provider: bool = True, hf_
 # ----------------------------------------------------------------------------------------------
 # Helpers
 # ----------------------------------------------------------------------------------------------
-
-
-def _outermost(module, model_type) -> list:
-    """Instances of ``model_type`` in ``module`` that are not inside another one: transformers
-    propagates ``set_attn_implementation`` to its own submodels."""
-    found = [m for m in module.modules() if isinstance(m, model_type)]
-    inner = {id(sub) for model in found for sub in model.modules() if sub is not model}
-    return [model for model in found if id(model) not in inner]
-
-
-def _implementation_of(model):
-    """What ``set_attn_implementation`` needs to restore ``model``: a string, or for a composite
-    model a dict with ``""`` for the top level and one entry per sub-config."""
-    config = model.config
-    parts = {}
-    for key in getattr(config, "sub_configs", None) or {}:
-        sub = getattr(config, key, None)
-        if sub is not None:
-            parts[key] = sub._attn_implementation
-    return {"": config._attn_implementation, **parts} if parts else config._attn_implementation
 
 
 def _flat_counts(stats: dict) -> dict[str, int]:

@@ -7,7 +7,8 @@ No Lightning import at module level: :class:`PeakFlopsMixin` is mixed into each 
 
 from __future__ import annotations
 
-from cudnn_attention.throughput import dense_bf16_peak_flops
+from ... import _compat
+from ..throughput import dense_bf16_peak_flops
 
 __all__ = ["PeakFlopsMixin", "make_throughput"]
 
@@ -35,7 +36,7 @@ def make_throughput(
 
 
 class PeakFlopsMixin:
-    """Gives a ``ThroughputMonitor`` the dense bf16 peak from :mod:`cudnn_attention.throughput`.
+    """Gives a ``ThroughputMonitor`` the dense bf16 peak from :mod:`cudnn_attention.integrations.throughput`.
 
     Lightning's monitor looks the peak up by device name and finds none for an H200, so it logs
     no MFU there. After the monitor's own ``setup`` this sets ``available_flops`` on each of its
@@ -57,5 +58,5 @@ class PeakFlopsMixin:
             return  # keep Lightning's figure (or its absence)
         self.available_flops = peak
         # The monitor built its Throughput objects in setup; available_flops is their public field.
-        for throughput in self._throughputs.values():
+        for throughput in _compat.monitor_throughputs(self):
             throughput.available_flops = peak

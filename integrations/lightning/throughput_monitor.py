@@ -15,7 +15,7 @@ class CudnnThroughputMonitor(PeakFlopsMixin, ThroughputMonitor):
     Args:
         batch_size_fn: samples in a batch.
         length_fn: tokens in a batch (then ``items_per_sec`` is tokens/s).
-        available_flops: peak FLOP/s per device, overriding :mod:`cudnn_attention.throughput`'s table.
+        available_flops: peak FLOP/s per device, overriding :mod:`cudnn_attention.integrations.throughput`'s table.
         **kwargs: ``Throughput``'s (``window_size``, ``separator``).
 
     Example:

@@ -1,5 +1,8 @@
 """The dense bf16 tensor-core peak of the current GPU, for model-FLOPs utilization (MFU).
 
+For the integrations and recipes that report MFU (the Lightning callbacks, the Trainer recipes); not
+part of the attention core.
+
 Lightning's ``get_available_flops`` finds no entry for an H200 SXM (its device name is just
 "NVIDIA H200", while the table expects "sxm1"/"nvl1" in the name) and lists H200 figures with
 2:4 sparsity, twice the dense peak a training step can reach. This table holds dense figures only.
