@@ -2,13 +2,14 @@
 accuracy of one step, which the loss curves (``recipe_training.py --suite loss``) show only after training has
 amplified it into trajectories of their own.
 
-    python benchmarks/gradient_accuracy.py --out benchmarks/results   # small preset, 4096-token packs, Mistral-like and gpt-oss-like
-    python benchmarks/gradient_accuracy.py --quick                    # the plumbing on a CPU: tiny preset, the exact fallback
+    python3 benchmarks/gradient_accuracy.py --out benchmarks/results   # small preset, 4096-token packs, Mistral-like and gpt-oss-like
+    python3 benchmarks/gradient_accuracy.py --quick                    # the plumbing on a CPU: tiny preset, the exact fallback
 
 Each implementation runs the recipe's model with bf16 weights (as the Lightning recipe's ``bf16-true``) on the same
 packs and initial weights; each parameter's gradient is compared with eager's in fp32 by whole-tensor relative error.
 Eager in bf16 is the yardstick: the error bf16 itself brings. gpt-oss routes every token to every expert here, since
-top-2 routing flips on bf16 near-ties, a discontinuity that has nothing to do with attention.
+top-2 routing flips on bf16 near-ties, a discontinuity that has nothing to do with attention. ``flash_attention_4`` (FlashAttention's
+CuTe kernels, learnable-sink backward included) is measured where it is installed and reported as skipped elsewhere.
 """
 
 from __future__ import annotations
@@ -18,16 +19,11 @@ import dataclasses
 import gc
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "recipes"))
-
-from common import (  # noqa: E402
+from cudnn_attention.recipes.common import (
     STATS_KEY,
     PackedCollator,
     UnsupportedImplementation,
@@ -41,7 +37,8 @@ from common import (  # noqa: E402
 
 __all__ = ["parameter_gradients", "recipe_batches", "recipe_gradients", "relative_error"]
 
-IMPLEMENTATIONS = ("cudnn", "sdpa", "flex_attention", "eager")
+ROOT = Path(__file__).resolve().parents[1]
+IMPLEMENTATIONS = ("cudnn", "sdpa", "flex_attention", "flash_attention_4", "eager")
 REFERENCE = ("eager", torch.float32)
 
 
@@ -162,6 +159,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--quick", action="store_true", help="tiny preset, one 512-token pack: check the plumbing (CPU)")
     args = parser.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and not args.quick:
+        # The small preset's bf16 gradients on a CPU would take hours and measure the fallback, not cuDNN.
+        parser.error("this machine has no GPU: on a CPU pass --quick (tiny preset, one pack: the plumbing on the exact fallback)")
     size, tokens, packs = ("tiny", 512, 1) if args.quick else ("small", args.tokens, args.packs)
     import cudnn_attention
 

@@ -1,15 +1,16 @@
 """End-to-end measurements of the recipes: loss curves, tokens/s and peak memory against eager, sdpa and
 flex_attention measured in the same run, a long-context configuration, and multi-GPU scaling.
 
-    python benchmarks/recipe_training.py --suite loss --out benchmarks/results     # 200-step loss curves against eager (1 GPU)
-    python benchmarks/recipe_training.py --suite loss --seeds 0 1 2                # the same for three seeds (init and batch order)
-    python benchmarks/recipe_training.py --suite speed --out benchmarks/results    # tokens/s and memory, small and long presets (1 GPU)
-    python benchmarks/recipe_training.py --suite scaling --out benchmarks/results  # 1 GPU against 2-GPU DDP and FSDP (2 GPUs)
-    python benchmarks/recipe_training.py --suite loss --quick                       # the plumbing on a CPU: tiny preset, 3 steps
+    python3 benchmarks/recipe_training.py --suite loss --out benchmarks/results     # 200-step loss curves against eager (1 GPU)
+    python3 benchmarks/recipe_training.py --suite loss --seeds 0 1 2                # the same for three seeds (init and batch order)
+    python3 benchmarks/recipe_training.py --suite speed --out benchmarks/results    # tokens/s and memory, small and long presets (1 GPU)
+    python3 benchmarks/recipe_training.py --suite scaling --out benchmarks/results  # 1 GPU against 2-GPU DDP and FSDP (2 GPUs)
+    python3 benchmarks/recipe_training.py --suite loss --quick                       # the plumbing on a CPU: tiny preset, 3 steps
 
 Every case (and seed) is one recipe command (the same a user types, ``accelerate launch`` included) in its own process;
 its ``metrics.json`` is read back and summarized in ``recipes_<suite>.md`` / ``.json``, with each case's loss
-curve (``recipes_<suite>/<case>.png``) and log.
+curve (``recipes_<suite>/<case>.png``) and log. The gpt-oss-like cases compare with ``flash_attention_4`` too (FlashAttention's
+CuTe kernels, with a learnable-sink backward on sm90/sm100), reported as skipped with the reason where it is not installed.
 """
 
 from __future__ import annotations
@@ -26,8 +27,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cudnn_attention.recipes.common.reporting import IMPLEMENTATION_COLORS
+
 ROOT = Path(__file__).resolve().parents[1]
-FUSED = ("sdpa", "flex_attention")  # the implementations whose distance from eager bounds cudnn's
+FUSED = ("sdpa", "flex_attention", "flash_attention_4")  # the implementations whose distance from eager bounds cudnn's
 _EXIT_NOISE = re.compile(r"leaked (instance|type|function)|nanobind|skipped remainder|refleaks")
 
 
@@ -63,27 +66,27 @@ def cases(suite: str, *, quick: bool = False, steps: int | None = None) -> list[
     and 3 steps (CPU plumbing check)."""
     if suite == "loss":
         # 4096 tokens per step: eager materializes each document's score matrix, and must fit.
-        small = ("--size", "small", "--tokens_per_step", "4096", "--steps", "200")
+        small = ("--size", "small", "--tokens_per_step", "4096", "--max_steps", "200")
         found = [
             _trainer("sliding_window", "train_sliding_window", *small, "--compare", "eager", "sdpa", "flex_attention"),
-            _trainer("sinks", "train_sinks", *small, "--compare", "eager", "flex_attention"),  # gpt-oss has no sdpa
+            _trainer("sinks", "train_sinks", *small, "--compare", "eager", "flex_attention", "flash_attention_4"),  # gpt-oss has no sdpa
             _trainer("lightning", "train_lightning", "--model.size=small", "--model.tokens_per_step=4096", "--trainer.max_steps=200",
                      "--trainer.enable_progress_bar=false", "--compare=[eager,sdpa]"),  # fmt: skip
         ]
     elif suite == "speed":
-        short = ("--size", "small", "--steps", "60")
-        long = ("--size", "long", "--steps", "20")
+        short = ("--size", "small", "--max_steps", "60")
+        long = ("--size", "long", "--max_steps", "20")
         found = [
             # No eager for the Mistral-like model at 16k tokens per step: eager computes every score of the packed row, and the
             # case with it did not finish within 200 s on an H200. The loss suite compares it with eager at 4096 tokens.
             _trainer("sliding_window", "train_sliding_window", *short, "--compare", "flex_attention", "sdpa"),
-            _trainer("sinks", "train_sinks", *short, "--compare", "flex_attention", "eager"),
+            _trainer("sinks", "train_sinks", *short, "--compare", "flex_attention", "flash_attention_4", "eager"),
             # No eager at 16k-32k documents: one layer's score matrix alone (16 heads x 32k x 32k fp32) is 64 GiB.
             _trainer("sliding_window_long", "train_sliding_window", *long, "--compare", "flex_attention", "sdpa"),
-            _trainer("sinks_long", "train_sinks", *long, "--compare", "flex_attention"),
+            _trainer("sinks_long", "train_sinks", *long, "--compare", "flex_attention", "flash_attention_4"),
         ]
     elif suite == "scaling":
-        small = ("--size", "small", "--steps", "40")
+        small = ("--size", "small", "--max_steps", "40")
         found = []
         for recipe in ("train_sliding_window", "train_sinks"):
             found += [
@@ -105,7 +108,7 @@ def cases(suite: str, *, quick: bool = False, steps: int | None = None) -> list[
 def _with_steps(case: Case, steps: int, *, tiny: bool = False) -> Case:
     """``case`` with ``steps`` optimizer steps; ``tiny`` also swaps its size preset (and token budget) for the tiny one."""
     lightning = case.recipe == "train_lightning"
-    replaced = ("--steps", "--size", "--tokens_per_step") if tiny else ("--steps",)
+    replaced = ("--max_steps", "--size", "--tokens_per_step") if tiny else ("--max_steps",)
     replaced_lightning = ("--trainer.max_steps=", "--model.size=", "--model.tokens_per_step=") if tiny else ("--trainer.max_steps=",)
     args, skip_value = [], False
     for arg in case.args:
@@ -115,7 +118,7 @@ def _with_steps(case: Case, steps: int, *, tiny: bool = False) -> Case:
             skip_value = True  # its value goes too
         elif not arg.startswith(replaced_lightning):
             args.append(arg)
-    args += [f"--trainer.max_steps={steps}"] if lightning else ["--steps", str(steps)]
+    args += [f"--trainer.max_steps={steps}"] if lightning else ["--max_steps", str(steps)]
     if tiny:
         args += ["--model.size=tiny"] if lightning else ["--size", "tiny"]
     return dataclasses.replace(case, args=tuple(args))
@@ -139,7 +142,7 @@ def command(case: Case, output_dir: Path) -> list[str]:
 
 def shown(argv: list[str]) -> str:
     """``argv`` as a user would type it from the project root."""
-    text = " ".join(argv).replace(f"{sys.executable} -m accelerate.commands.launch", "accelerate launch").replace(sys.executable, "python")
+    text = " ".join(argv).replace(f"{sys.executable} -m accelerate.commands.launch", "accelerate launch").replace(sys.executable, "python3")
     return text.replace(f"{ROOT}/", "")
 
 
@@ -295,7 +298,7 @@ def plot_seed_distances(records: list[dict], out: Path) -> list[Path]:
                       for runs in seeds if runs.get(name, {}).get("run")]  # fmt: skip
             if not curves:
                 continue
-            color = f"C{index}"
+            color = IMPLEMENTATION_COLORS.get(name, f"C{5 + index}")  # the recipes' colour for each implementation
             for curve in curves:
                 axis.plot(range(1, len(curve) + 1), curve, color=color, linewidth=0.4, alpha=0.35)
             mean = [sum(values) / len(values) for values in zip(*curves, strict=False)]
@@ -383,7 +386,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     selected = [dataclasses.replace(case, seed=seed) for case in selected for seed in args.seeds] if args.seeds else selected
     import torch
 
-    if any(case.gpus > max(1, torch.cuda.device_count()) for case in selected):  # one process runs on a CPU too (the fallback)
+    if not args.quick and not torch.cuda.is_available():
+        # The suites train the small and long presets for tens to hundreds of steps: days on a CPU, where only the plumbing can run.
+        parser.error(f"--suite {args.suite} trains the GPU presets and this machine has no GPU: on a CPU pass --quick (tiny preset, 3 steps)")
+    if any(case.gpus > max(1, torch.cuda.device_count()) for case in selected):
         parser.error(f"suite {args.suite!r} needs {max(case.gpus for case in selected)} GPUs; this machine has {torch.cuda.device_count()}")
     out = args.out / f"recipes_{args.suite}"
     out.mkdir(parents=True, exist_ok=True)

@@ -1,113 +1,123 @@
 """Recipe 3: packed fine-tuning with Lightning: a LightningModule around a Hugging Face model, ``CudnnAttention``, LightningCLI.
 
-    python recipes/train_lightning.py                                     # mistral; a GPU: small/bf16-true, a CPU: tiny (fallback)
-    python recipes/train_lightning.py --model.family=gpt_oss --compare=[eager,flex_attention]
-    python recipes/train_lightning.py --trainer.devices=2 --trainer.strategy=ddp     # or --trainer.strategy=fsdp
-    python recipes/train_lightning.py --help                               # every --model.* and --trainer.* flag
+    python3 recipes/train_lightning.py                                     # mistral; a GPU: small/bf16-true, a CPU: tiny (fallback)
+    python3 recipes/train_lightning.py --model.family=gpt_oss --compare=[eager,flex_attention]
+    python3 recipes/train_lightning.py --trainer.devices=2 --trainer.strategy=ddp     # or --trainer.strategy=fsdp
+    python3 recipes/train_lightning.py --help                               # every --model.* and --trainer.* flag
 
 The module adds ``CudnnAttention`` (``configure_callbacks``) when it runs ``attn_implementation="cudnn"``: the callback
 installs the provider on every rank before wrapping and keeps the model on "cudnn"; comparison runs with another
-implementation go without it, so nothing reroutes them. Writes ``metrics.json`` and ``loss.png`` into
-``--trainer.default_root_dir`` (default ``runs/train_lightning``).
+implementation go without it, so nothing reroutes them. The ``--model.*`` flags are the Trainer recipes' own
+(``RecipeOptions``) plus ``--model.lr`` and ``--model.seed``. Each run writes ``metrics.json`` and ``loss.png`` into a
+folder of its own, ``runs/train_lightning/<date>_<time>/``, or into ``--trainer.default_root_dir`` (where Lightning also
+puts its logs and checkpoints when they are turned on); ``--overwrite_output_dir`` lets a run replace a finished one there.
 """
 
 from __future__ import annotations
 
-import time
-from typing import Literal
+import dataclasses
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
+from cudnn_attention.integrations.lightning import CudnnAttention
+from cudnn_attention.recipes.common.compare import run_with_compare
+from cudnn_attention.recipes.common.config import (
+    LEARNING_RATE,
+    MAX_GRAD_NORM,
+    WARMUP_SHARE,
+    WEIGHT_DECAY,
+    RecipeOptions,
+    Reference,
+    RunOptions,
+    check_machine,
+    document_fields,
+    help_of,
+    model_shape,
+)
+from cudnn_attention.recipes.common.data import STATS_KEY, PackedCollator, PackedDataset, build_dataset, warn_if_repeated
+from cudnn_attention.recipes.common.errors import run_command
+from cudnn_attention.recipes.common.flops import step_flops_of
+from cudnn_attention.recipes.common.model import build_model
+from cudnn_attention.recipes.common.reporting import RunResult, fallback_announced, finish, format_rate, header
+from cudnn_attention.recipes.common.run_dirs import checked_output_dir, new_run_dir, remove_empty_dirs
+from cudnn_attention.recipes.common.steps import StepRecorder
+from cudnn_attention.recipes.common.tokenizer import load_tokenizer
 from lightning.pytorch import Callback, LightningModule
+from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.strategies import FSDPStrategy
 
-import cudnn_attention
-from common.compare import run_with_compare
-from common.config import data_budget, model_shape
-from common.data import STATS_KEY, PackedCollator, build_dataset
-from common.flops import step_flops_of
-from common.model import build_model
-from common.reporting import RunResult, finish, step_columns, step_row
-from common.tokenizer import load_tokenizer
-from cudnn_attention.integrations.lightning import CudnnAttention, make_throughput
-
-__all__ = ["PackedCausalLM", "RecipeCLI", "RecipeReport", "main"]
+__all__ = ["LightningOptions", "PackedCausalLM", "RecipeCLI", "RecipeProgressBar", "RecipeReport", "main"]
 
 RECIPE = "train_lightning"
 
 
-class PackedCausalLM(LightningModule):
-    """A causal LM trained on packed documents (one row per step, ``DataCollatorWithFlattening``).
+@document_fields
+@dataclass(kw_only=True)
+class LightningOptions(RecipeOptions):
+    """:class:`RecipeOptions` plus what the Trainer recipes take from ``TrainingArguments`` (``--learning_rate``, ``--seed``)."""
 
-    Args:
-        family: ``mistral`` (sliding window), ``gpt_oss`` (sinks + alternating window) or ``llama``.
-        size: ``tiny``, ``small``, ``1b-like``, ``long``; ``auto`` is resolved by the CLI (small on a GPU, tiny on a CPU).
-        attn_implementation: ``cudnn`` (adds the ``CudnnAttention`` callback), ``eager``, ``sdpa``, ``flex_attention``.
-        strict: make every fallback from cuDNN raise (the callback's ``strict``).
-        lr: peak learning rate of the cosine schedule (10% warmup).
-        tokens_per_step, min_doc_tokens, max_doc_tokens: the data budget (default: the size preset's).
-        checkpoint, tokenizer, dataset, text_field: local model/tokenizer directories and a local .txt/.jsonl file.
-        seed: model initialization and batch order.
+    lr: float = field(default=LEARNING_RATE, metadata={"help": "peak learning rate (AdamW, cosine schedule after a linear warmup "
+                                                               "over the first tenth of the steps)"})  # fmt: skip
+    seed: int = field(default=0, metadata={"help": "seed of the model init and the batch order (the same in compare runs)"})
+
+
+class PackedCausalLM(LightningModule):
+    """A causal LM trained on packed documents (one row per step, ``DataCollatorWithFlattening``); ``attn_implementation="cudnn"``
+    adds the ``CudnnAttention`` callback.
+
+    Takes the fields of :class:`LightningOptions` as keyword arguments (LightningCLI finds them, with their help, in
+    ``LightningOptions``, to which they are passed); ``self.options`` holds them resolved against the size preset.
     """
 
-    def __init__(
-        self,
-        family: Literal["mistral", "gpt_oss", "llama"] = "mistral",
-        size: Literal["auto", "tiny", "small", "1b-like", "long"] = "auto",
-        attn_implementation: Literal["cudnn", "eager", "sdpa", "flex_attention"] = "cudnn",
-        strict: bool = False,
-        lr: float = 5e-4,
-        tokens_per_step: int | None = None,
-        min_doc_tokens: int | None = None,
-        max_doc_tokens: int | None = None,
-        checkpoint: str | None = None,
-        tokenizer: str | None = None,
-        dataset: str | None = None,
-        text_field: str = "text",
-        seed: int = 0,
-    ):
+    def __init__(self, **options):
         super().__init__()
         self.save_hyperparameters()
-        if size == "auto":  # the CLI resolves it from the accelerator; a direct construction from the machine
-            size = self.hparams.size = "small" if torch.cuda.is_available() else "tiny"
-        budget = data_budget(size=size, tokens_per_step=tokens_per_step, min_doc_tokens=min_doc_tokens, max_doc_tokens=max_doc_tokens)
-        self.tokens_per_step, self.min_doc_tokens, self.max_doc_tokens = budget.tokens_per_step, budget.min_doc_tokens, budget.max_doc_tokens
-        self.tokenizer = load_tokenizer(tokenizer=tokenizer, checkpoint=checkpoint)
+        given = LightningOptions(**options)
+        # size="auto": the CLI resolves it from the accelerator; a direct construction resolves it from the machine.
+        self.options = given.resolved(on_gpu=torch.cuda.is_available())
+        self.tokenizer = load_tokenizer(tokenizer=self.options.tokenizer, checkpoint=self.options.checkpoint)
         self.hf = None  # built in configure_model: under Lightning's device/precision context, before FSDP wraps it
         self.step_flops = None
-        self.last_counts: tuple = ()
+        self.step_counts: dict | None = None  # the collator's counts of the batch in training_step, for RecipeReport
+        self._dataset: PackedDataset | None = None
+
+    def packed_dataset(self) -> PackedDataset:
+        """The packs this module trains on (built on first use)."""
+        if self._dataset is None:
+            o = self.options
+            self._dataset = build_dataset(tokenizer=self.tokenizer, dataset=o.dataset, text_field=o.text_field, tokens_per_step=o.tokens_per_step,
+                                          min_doc_tokens=o.min_doc_tokens, max_doc_tokens=o.max_doc_tokens, seed=o.seed)  # fmt: skip
+        return self._dataset
 
     def configure_model(self) -> None:
         if self.hf is not None:
             return
-        hp = self.hparams
-        shape = None if hp.checkpoint else model_shape(family=hp.family, size=hp.size)
+        o = self.options
+        shape = None if o.checkpoint else model_shape(family=o.family, size=o.size)
         self.hf = build_model(
-            attn_implementation=hp.attn_implementation, family=hp.family, shape=shape, vocab_size=self.tokenizer.vocab_size,
-            max_positions=max(4096, self.max_doc_tokens), checkpoint=hp.checkpoint, tokenizer=self.tokenizer,
+            attn_implementation=o.attn_implementation, family=o.family, shape=shape, vocab_size=self.tokenizer.vocab_size,
+            max_positions=max(4096, o.max_doc_tokens), checkpoint=o.checkpoint, tokenizer=self.tokenizer,
             dtype=torch.get_default_dtype(),  # bf16 under precision="bf16-true"
-            seed=hp.seed,
+            seed=o.seed,
         )  # fmt: skip
         self.step_flops = step_flops_of(self.hf)
 
     def configure_callbacks(self) -> list[Callback]:
         callbacks = [RecipeReport()]
-        if self.hparams.attn_implementation == "cudnn":
-            callbacks.append(CudnnAttention(strict=self.hparams.strict))
+        if self.options.attn_implementation == "cudnn":
+            callbacks.append(CudnnAttention(strict=self.options.strict))
         return callbacks
 
     def train_dataloader(self):
-        dataset = build_dataset(
-            tokenizer=self.tokenizer, dataset=self.hparams.dataset, text_field=self.hparams.text_field,
-            tokens_per_step=self.tokens_per_step, min_doc_tokens=self.min_doc_tokens, max_doc_tokens=self.max_doc_tokens,
-            seed=self.hparams.seed,
-        )  # fmt: skip
         # One pack per step; Lightning swaps in a DistributedSampler under DDP/FSDP (each rank its own packs).
-        generator = torch.Generator().manual_seed(self.hparams.seed)
-        return torch.utils.data.DataLoader(dataset, batch_size=1, shuffle=True, generator=generator, collate_fn=PackedCollator())
+        generator = torch.Generator().manual_seed(self.options.seed)
+        return torch.utils.data.DataLoader(self.packed_dataset(), batch_size=1, shuffle=True, generator=generator, collate_fn=PackedCollator())
 
     def training_step(self, batch, batch_idx):
-        self.last_counts = step_row(batch.pop(STATS_KEY), self.step_flops)
+        self.step_counts = batch.pop(STATS_KEY)
         loss = self.hf(**batch).loss
         self.log("loss", loss, prog_bar=True)
         return loss
@@ -123,85 +133,100 @@ class PackedCausalLM(LightningModule):
     def configure_optimizers(self):
         from transformers import get_cosine_schedule_with_warmup
 
-        optimizer = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=0.1)
+        optimizer = torch.optim.AdamW(self.parameters(), lr=self.options.lr, weight_decay=WEIGHT_DECAY)
         steps = self.trainer.max_steps
-        schedule = get_cosine_schedule_with_warmup(optimizer, num_warmup_steps=steps // 10, num_training_steps=steps)
+        schedule = get_cosine_schedule_with_warmup(optimizer, num_warmup_steps=int(steps * WARMUP_SHARE), num_training_steps=steps)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
 
 class RecipeReport(Callback):
-    """Per-step loss, wall time, tokens and FLOPs; tokens/s and MFU in the progress bar (``make_throughput``); a
-    :class:`RunResult` gathered over ranks at the end (``self.result``)."""
+    """Feeds a :class:`StepRecorder` from Lightning's hooks: tokens/s and MFU in the progress bar (the summary's figures so
+    far), and a :class:`RunResult` gathered over ranks at the end (``self.result``)."""
 
     def __init__(self):
+        self.recorder: StepRecorder | None = None
         self.result: RunResult | None = None
 
     def on_train_start(self, trainer, pl_module) -> None:
-        self.losses, self.counts, self.seconds = [], [], []
-        self.throughput = make_throughput(world_size=trainer.world_size, device=trainer.strategy.root_device,
-                                          window_size=max(2, min(10, trainer.max_steps // 2)))  # fmt: skip
-        self._start = self._last = self._now(trainer)
+        self.recorder = StepRecorder(step_flops=pl_module.step_flops, device=trainer.strategy.root_device, planned_steps=trainer.max_steps,
+                                     world_size=trainer.world_size)  # fmt: skip
+        self._steps = trainer.global_step
 
-    def _now(self, trainer) -> float:
-        if trainer.strategy.root_device.type == "cuda":
-            torch.cuda.synchronize()  # time what ran, not what was queued
-        return time.perf_counter()
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.recorder.begin()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        now = self._now(trainer)
-        self.seconds.append(now - self._last)
-        self._last = now
-        self.losses.append(outputs["loss"].detach())
-        self.counts.append(pl_module.last_counts)
-        steps = len(self.counts)
-        tokens = sum(c[0] for c in self.counts)
-        self.throughput.update(time=now - self._start, batches=steps, samples=steps, lengths=tokens,
-                               flops=pl_module.last_counts[2] * trainer.world_size)  # fmt: skip
-        metrics = self.throughput.compute()
-        if "device/items_per_sec" in metrics:
-            pl_module.log("tok/s", metrics["device/items_per_sec"] * trainer.world_size, prog_bar=True)
-        if "device/mfu" in metrics:
-            pl_module.log("mfu", metrics["device/mfu"], prog_bar=True)
+        self.recorder.add_batch(pl_module.step_counts, outputs["loss"])
+        if trainer.global_step == self._steps:
+            return  # gradient accumulation: the optimizer step comes with a later batch
+        self._steps = trainer.global_step
+        self.recorder.end_step()
+        live = self.recorder.live()
+        if live["tokens_per_s"]:
+            pl_module.log("tok/s", live["tokens_per_s"], prog_bar=True)
+        if live["mfu"] is not None:
+            pl_module.log("mfu", live["mfu"], prog_bar=True)
 
     def on_train_end(self, trainer, pl_module) -> None:
-        device = trainer.strategy.root_device
-        losses = pl_module.all_gather(torch.stack(self.losses).float()).reshape(-1, len(self.losses)).mean(0)
-        counts = pl_module.all_gather(torch.tensor(self.counts, dtype=torch.float64, device=device)).reshape(-1, len(self.counts), 4).sum(0)
-        cuda = device.type == "cuda"
-        self.result = RunResult(
-            attn_implementation=pl_module.hparams.attn_implementation, losses=losses.tolist(), step_seconds=self.seconds,
-            **step_columns(counts.tolist()), world_size=trainer.world_size,
-            distributed=type(trainer.strategy).__name__,
-            device_name=torch.cuda.get_device_name(device) if cuda else "cpu", peak_flops=self.throughput.available_flops,
-            peak_memory_bytes=torch.cuda.max_memory_allocated(device) if cuda else None, stats=cudnn_attention.stats(),
-        )  # fmt: skip
+        self.result = self.recorder.result(attn_implementation=pl_module.options.attn_implementation,
+                                           gather=lambda t: pl_module.all_gather(t).reshape(-1, *t.shape),
+                                           distributed=type(trainer.strategy).__name__)  # fmt: skip
+
+
+class RecipeProgressBar(TQDMProgressBar):
+    """Lightning's tqdm bar with tokens/s and MFU printed as the summary prints them.
+
+    The recipe trains for a number of steps, not epochs; Lightning's rich bar shows that as ``Epoch 0/-2``.
+    """
+
+    def get_metrics(self, trainer, pl_module) -> dict:
+        metrics = super().get_metrics(trainer, pl_module)
+        if "tok/s" in metrics:
+            metrics["tok/s"] = format_rate(metrics["tok/s"])
+        if "mfu" in metrics:
+            metrics["mfu"] = f"{100 * metrics['mfu']:.1f}%"
+        return metrics
 
 
 class RecipeCLI(LightningCLI):
-    """LightningCLI with the recipe's defaults (one device, bf16-true on a GPU, no logger or checkpoints) and ``--compare``."""
+    """LightningCLI with the recipe's defaults (one device, bf16-true on a GPU, no logger or checkpoints, a folder per run)
+    and the flags every recipe takes (``--compare``, ``--overwrite_output_dir``)."""
 
     def add_arguments_to_parser(self, parser) -> None:
-        implementation = Literal["eager", "sdpa", "flex_attention"]
-        parser.add_argument("--compare", type=list[implementation] | implementation, default=[],
-                            help="also run the same steps with these implementations: --compare=eager, --compare=[eager,sdpa]")
+        parser.add_argument("--compare", type=list[Reference] | Reference, default=[],
+                            help=f"{help_of(RunOptions, 'compare')}: --compare=eager, --compare=[eager,sdpa]")  # fmt: skip
+        parser.add_argument("--overwrite_output_dir", type=bool, default=False, help=help_of(RunOptions, "overwrite_output_dir"))
 
     def before_instantiate_classes(self) -> None:
         config = self.config
         on_gpu = torch.cuda.is_available() and config.trainer.accelerator not in ("cpu",)
-        if config.model.size == "auto":
-            config.model.size = "small" if on_gpu else "tiny"
+        options = LightningOptions(**config.model.as_dict()).resolved(on_gpu=on_gpu)
+        config.model.size = options.size
+        gpu = torch.cuda.get_device_properties(0) if on_gpu else None
+        check_machine(size=options.size, tokens_per_step=options.tokens_per_step, device="cuda" if on_gpu else "cpu",
+                      gpu_name=gpu and gpu.name, gpu_gib=gpu and gpu.total_memory / 2**30)  # fmt: skip
         if config.trainer.max_steps in (None, -1):
-            config.trainer.max_steps = data_budget(size=config.model.size).steps
+            config.trainer.max_steps = options.budget().steps
         if config.trainer.precision is None:
             config.trainer.precision = "bf16-true" if on_gpu else "32-true"
+        if config.trainer.default_root_dir is None:
+            # Named here on every rank and created by main() on rank zero once the module is built (a bad flag then leaves
+            # no folder); the other ranks write nothing there (Lightning hands its checkpoint folder from rank zero).
+            config.trainer.default_root_dir = str(new_run_dir(RECIPE, create=False))
+            self.keep = Path.cwd()
+        else:
+            root = checked_output_dir(config.trainer.default_root_dir, overwrite=config.overwrite_output_dir)
+            self.keep = root if root.exists() else root.parent
+        callbacks = config.trainer.callbacks or []
+        chosen_bar = any("ProgressBar" in str(getattr(callback, "class_path", callback)) for callback in callbacks)
+        if config.trainer.enable_progress_bar is not False and not chosen_bar:
+            self.trainer_defaults["callbacks"] = [RecipeProgressBar()]
 
 
 def _cli(argv: list[str]) -> RecipeCLI:
-    import sys
-
     defaults = {
-        "devices": 1, "logger": False, "enable_checkpointing": False, "enable_model_summary": False, "default_root_dir": f"runs/{RECIPE}",
-        "gradient_clip_val": 1.0, "num_sanity_val_steps": 0, "log_every_n_steps": 1,
+        "devices": 1, "logger": False, "enable_checkpointing": False, "enable_model_summary": False, "gradient_clip_val": MAX_GRAD_NORM,
+        "num_sanity_val_steps": 0, "log_every_n_steps": 1,
     }  # fmt: skip
     # LightningCLI warns when it gets args= while sys.argv holds arguments too; here args= is the command line (plus the
     # comparison's override), so hide sys.argv while it parses. Restored before fit: DDP's launcher re-runs sys.argv.
@@ -216,31 +241,40 @@ def _cli(argv: list[str]) -> RecipeCLI:
 
 def main(argv: list[str] | None = None) -> dict:
     """Fit (and compare), then on rank zero print the summary and write ``metrics.json`` and ``loss.png``; returns the metrics."""
-    import sys
-
     argv = list(sys.argv[1:] if argv is None else argv)
     first = _cli(argv)
+    trainer, options = first.trainer, first.model.options
     compare = first.config.compare
-    primary, references = first.model.hparams.attn_implementation, [compare] if isinstance(compare, str) else list(compare)
+    primary, references = options.attn_implementation, [compare] if isinstance(compare, str) else list(compare)
+    root, device = Path(trainer.default_root_dir), trainer.strategy.root_device
+    try:
+        packs = first.model.packed_dataset().packs
+        if trainer.is_global_zero:
+            root.mkdir(parents=True, exist_ok=True)
+            packs_per_step = trainer.accumulate_grad_batches  # one pack per batch
+            print(header(recipe=RECIPE, model=options.model_name(), implementation=primary, device=str(device), steps=trainer.max_steps,
+                         tokens_per_step=options.tokens_per_step * packs_per_step, packs=packs,
+                         doc_tokens=(options.min_doc_tokens, options.max_doc_tokens)))  # fmt: skip
+            warn_if_repeated(packs=packs, tokens_per_step=options.tokens_per_step, steps=trainer.max_steps, world_size=trainer.world_size,
+                             packs_per_step=packs_per_step)  # fmt: skip
 
-    def run_once(implementation: str) -> RunResult:
-        # run_with_compare runs each implementation once, the primary first: the CLI already parsed serves it.
-        cli = first if implementation == primary else _cli([*argv, f"--model.attn_implementation={implementation}"])
-        cli.trainer.fit(cli.model)
-        report = next(c for c in cli.trainer.callbacks if isinstance(c, RecipeReport))
-        return report.result
+        def run_once(implementation: str) -> RunResult:
+            # run_with_compare runs each implementation once, the primary first: the CLI already parsed serves it.
+            cli = first if implementation == primary else _cli([*argv, f"--model.attn_implementation={implementation}",
+                                                                f"--trainer.default_root_dir={root}"])  # fmt: skip
+            with fallback_announced(device=str(device)):
+                cli.trainer.fit(cli.model)
+            return next(c for c in cli.trainer.callbacks if isinstance(c, RecipeReport)).result
 
-    device = "cuda" if first.trainer.strategy.root_device.type == "cuda" else "cpu"
-    if primary == "cudnn" and device == "cpu" and first.trainer.is_global_zero:
-        print("no GPU: cudnn_attention serves every attention call on its exact PyTorch fallback (counted below); cuDNN needs a GPU")
-    results = run_with_compare(run_once, primary=primary, references=references, device=device)
-    hp = first.model.hparams
-    config = {**dict(hp), "size": hp.size, "steps": first.trainer.max_steps, "precision": str(first.trainer.precision),
-              "tokens_per_step": first.model.tokens_per_step, "compare": references}  # fmt: skip
-    title = f"{RECIPE}: {hp.checkpoint or f'{hp.family} {hp.size}'}"
-    return finish(recipe=RECIPE, results=results, primary=primary, config=config,
-                  output_dir=first.trainer.default_root_dir, title=title, write=first.trainer.is_global_zero)  # fmt: skip
+        results = run_with_compare(run_once, primary=primary, references=references, device=str(device))
+        config = {**dataclasses.asdict(options), "steps": trainer.max_steps, "precision": str(trainer.precision), "compare": references,
+                  "output_dir": str(root)}  # fmt: skip
+        return finish(recipe=RECIPE, results=results, primary=primary, config=config, output_dir=root,
+                      title=f"{RECIPE}: {options.model_name()}", write=trainer.is_global_zero)  # fmt: skip
+    finally:
+        if trainer.is_global_zero:
+            remove_empty_dirs(root, keep=first.keep)
 
 
 if __name__ == "__main__":
-    main()
+    run_command(main)

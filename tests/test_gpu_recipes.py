@@ -1,16 +1,12 @@
 """The recipes on a GPU (small preset, bf16): cuDNN serves every attention call in strict mode, and the loss curve
 against eager stays within what sdpa vs eager shows. A few minutes on an H200 for the whole file."""
 
-import sys
-from pathlib import Path
+import importlib
 
 import pytest
 
 pytest.importorskip("transformers")
 pytest.importorskip("matplotlib")
-
-RECIPES = Path(__file__).resolve().parents[1] / "recipes"
-sys.path.insert(0, str(RECIPES))
 
 from gradients import gradient_mismatches, recipe_batches, recipe_gradients  # noqa: E402
 
@@ -18,6 +14,10 @@ pytestmark = pytest.mark.gpu
 STEPS = 20
 # Eager materializes every (query, key) score: 4096 tokens per step keeps it small on the small preset.
 COMPARE_TOKENS = "4096"
+
+
+def _recipe(name: str):
+    return importlib.import_module(f"cudnn_attention.recipes.{name}")
 
 
 def _served_by_cudnn_only(run: dict) -> None:
@@ -30,7 +30,7 @@ def _served_by_cudnn_only(run: dict) -> None:
 
 @pytest.mark.parametrize("recipe", ["train_sliding_window", "train_sinks"])
 def test_trainer_recipe_runs_on_cudnn_in_strict_mode(recipe, tmp_path):
-    payload = __import__(recipe).main(["--size", "small", "--steps", str(STEPS), "--strict", "--output_dir", str(tmp_path)])
+    payload = _recipe(recipe).main(["--size", "small", "--max_steps", str(STEPS), "--strict", "--output_dir", str(tmp_path)])
     run = payload["runs"]["cudnn"]
     assert run["steps"] == STEPS and run["final_loss"] < run["first_loss"]
     _served_by_cudnn_only(run)
@@ -38,9 +38,7 @@ def test_trainer_recipe_runs_on_cudnn_in_strict_mode(recipe, tmp_path):
 
 
 def test_lightning_recipe_runs_on_cudnn_in_strict_mode(tmp_path):
-    import train_lightning
-
-    payload = train_lightning.main(["--model.size=small", "--model.strict=true", f"--trainer.max_steps={STEPS}",
+    payload = _recipe("train_lightning").main(["--model.size=small", "--model.strict=true", f"--trainer.max_steps={STEPS}",
                                     f"--trainer.default_root_dir={tmp_path}", "--trainer.enable_progress_bar=false"])  # fmt: skip
     run = payload["runs"]["cudnn"]
     assert run["steps"] == STEPS and payload["config"]["precision"] == "bf16-true"
@@ -52,8 +50,8 @@ def test_loss_curve_against_eager_within_what_another_fused_kernel_shows(recipe,
     # Same seed, weights and batches: the runs differ only in how each kernel rounds in bf16, and training amplifies
     # that (for gpt-oss, bf16 top-2 expert routing flips on near ties). What another fused kernel shows against eager
     # in the same run is the yardstick: sdpa for Mistral, flex_attention for gpt-oss (transformers has no sdpa for it).
-    args = ["--size", "small", "--steps", str(STEPS), "--tokens_per_step", COMPARE_TOKENS, "--compare", "eager", fused]
-    payload = __import__(recipe).main([*args, "--output_dir", str(tmp_path)])
+    args = ["--size", "small", "--max_steps", str(STEPS), "--tokens_per_step", COMPARE_TOKENS, "--compare", "eager", fused]
+    payload = _recipe(recipe).main([*args, "--output_dir", str(tmp_path)])
     distances = payload["loss_max_abs_diff_vs_eager"]
     first = {name: run["first_loss"] for name, run in payload["runs"].items()}
     # One run of another kernel is a noisy yardstick for gpt-oss: a routing flip lands at a random step. Over the
@@ -81,3 +79,13 @@ def test_one_recipe_batch_gives_eager_gradients_for_every_parameter(family):
     assert stats["cudnn_backward"] > 0 and not stats["fallback_forward"] and not stats["fallback_backward"], stats
     mismatches = gradient_mismatches(grads["cudnn", torch.bfloat16], grads["eager", torch.float32], grads["eager", torch.bfloat16])
     assert not mismatches, "\n".join(mismatches)
+
+
+def test_quickstart_passes_on_cudnn():
+    # The quick start's verdict on a GPU: output and gradients within twice torch SDPA's bf16 error, served by cuDNN.
+    from cudnn_attention.recipes import quickstart
+
+    result = quickstart.check()
+    assert result["passed"], result["errors"]
+    stats = result["stats"]
+    assert stats["cudnn_forward"] and stats["cudnn_backward"] and not stats["fallback_forward"], stats

@@ -1,6 +1,7 @@
 """The recipes on CPU: each runs end to end on the tiny preset (the visible fallback serves attention), packing keeps
 documents apart, compare mode against eager agrees to fp32 rounding, and local models and data plug in."""
 
+import importlib
 import json
 import sys
 from pathlib import Path
@@ -11,25 +12,31 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("matplotlib")
 
-RECIPES = Path(__file__).resolve().parents[1] / "recipes"
-sys.path.insert(0, str(RECIPES))  # what `python recipes/<script>.py` does for the scripts
-sys.path.insert(0, str(RECIPES.parent / "benchmarks"))  # the benchmark scripts, likewise
+from cudnn_attention.recipes.common import (  # noqa: E402
+    STATS_KEY,
+    ByteTokenizer,
+    PackedCollator,
+    RecipeError,
+    build_model,
+    causal_pairs,
+    cut_documents,
+    model_shape,
+    pack_documents,
+)
 
-from common import ByteTokenizer, PackedCollator, build_model, causal_pairs, cut_documents, model_shape, pack_documents  # noqa: E402
-from common.data import STATS_KEY  # noqa: E402
+# The benchmarks are scripts, not a package: their folder goes on the path the way `python3 benchmarks/<script>.py` puts it.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 STEPS = 3
 TINY_TOKENS = 1024  # the tiny preset's budget
 
 
 def _run(recipe: str, tmp_path, *extra: str) -> dict:
+    module = importlib.import_module(f"cudnn_attention.recipes.{recipe}")
     if recipe == "train_lightning":
-        import train_lightning
-
         args = [f"--trainer.max_steps={STEPS}", f"--trainer.default_root_dir={tmp_path}", "--trainer.enable_progress_bar=false", *extra]
-        return train_lightning.main(args)
-    module = __import__(recipe)
-    return module.main(["--steps", str(STEPS), "--output_dir", str(tmp_path), *extra])
+        return module.main(args)
+    return module.main(["--max_steps", str(STEPS), "--output_dir", str(tmp_path), *extra])
 
 
 def _check_outputs(payload: dict, tmp_path, implementation: str = "cudnn") -> dict:
@@ -53,7 +60,11 @@ def test_recipe_runs_three_steps_on_the_visible_fallback(recipe, tmp_path):
     assert stats["fallback_forward"] == {"cpu tensors": STEPS * layers}, stats
     assert stats["fallback_backward"] == {"cpu tensors": STEPS * layers}, stats
     assert "fallback" in run["served_by"] and "cpu tensors" in run["served_by"]
-    assert payload["config"]["size"] == "tiny"
+    config = json.loads((tmp_path / "metrics.json").read_text())["config"]
+    assert config["size"] == "tiny" and config["steps"] == STEPS
+    # The resolved budget, not the unset flags; nothing of LightningCLI's own (its "_instantiator").
+    assert (config["tokens_per_step"], config["min_doc_tokens"], config["max_doc_tokens"]) == (TINY_TOKENS, 16, 512), config
+    assert not any(key.startswith("_") for key in config), config
 
 
 @pytest.mark.parametrize("recipe", ["train_sliding_window", "train_sinks"])
@@ -89,12 +100,15 @@ def test_compare_with_several_implementations_in_one_run(recipe, tmp_path):
 
 
 def test_compare_skips_what_cannot_run_here_with_the_reason(tmp_path):
-    payload = _run("train_sinks", tmp_path, "--compare", "sdpa")
+    payload = _run("train_sinks", tmp_path, "--compare", "sdpa", "flash_attention_4")
     assert "does not support" in payload["comparisons"]["sdpa"]["skipped"]  # transformers has no sdpa for gpt-oss
-    from common import skip_reason
+    assert "sm90/sm100 GPUs" in payload["comparisons"]["flash_attention_4"]["skipped"]
+    from cudnn_attention.recipes.common import skip_reason
 
     assert "no backward on CPU" in skip_reason("flex_attention", device="cpu")
     assert skip_reason("flex_attention", device="cuda") is None
+    # FlashAttention 4 is judged by transformers' own availability test before any GPU is touched: not installed here.
+    assert "not installed here (pip install flash-attn-4" in skip_reason("flash_attention_4", device="cuda")
 
 
 def _collate(lengths):
@@ -166,31 +180,35 @@ def test_local_checkpoint_tokenizer_and_jsonl_dataset(tmp_path):
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps({"body": text}) + "\n" for text in texts))
 
-    import train_sliding_window
+    from cudnn_attention.recipes import train_sliding_window
 
     out = tmp_path / "run"
-    payload = train_sliding_window.main(["--checkpoint", str(checkpoint), "--dataset", str(data), "--text_field", "body", "--steps", "2",
+    payload = train_sliding_window.main(["--checkpoint", str(checkpoint), "--dataset", str(data), "--text_field", "body", "--max_steps", "2",
                                          "--tokens_per_step", "256", "--output_dir", str(out)])  # fmt: skip
     run = payload["runs"]["cudnn"]
     assert run["steps"] == 2 and run["real_tokens"] == 512 and (out / "loss.png").exists()
     assert run["run"]["stats"]["fallback_forward"] == {"cpu tensors": 2 * 2}
-    with pytest.raises(FileNotFoundError, match="local directories only"):
-        train_sliding_window.main(["--checkpoint", str(tmp_path / "missing"), "--output_dir", str(out)])
+    with pytest.raises(RecipeError, match="does not exist: pass a local directory"):
+        train_sliding_window.main(["--checkpoint", str(tmp_path / "missing"), "--output_dir", str(tmp_path / "other")])
+    # from_pretrained hands back a model in eval mode; the recipes train it (Lightning would keep eval mode and warn).
+    loaded = build_model(attn_implementation="eager", checkpoint=str(checkpoint))
+    assert all(module.training for module in loaded.modules())
 
 
 def test_recipe_benchmark_runs_each_case_as_a_user_command_and_tabulates_it(tmp_path):
     import recipe_training as benchmark
 
     (record,) = benchmark.main(["--suite", "loss", "--quick", "--only", "sinks", "--out", str(tmp_path)])
-    assert record["rc"] == 0 and record["command"].startswith("python recipes/train_sinks.py"), record
-    assert list(record["metrics"]["runs"]) == ["cudnn", "eager", "flex_attention"]
+    assert record["rc"] == 0 and record["command"].startswith("python3 recipes/train_sinks.py"), record
+    assert list(record["metrics"]["runs"]) == ["cudnn", "eager", "flex_attention", "flash_attention_4"]
     table = (tmp_path / "recipes_loss.md").read_text()
     assert "| sinks | eager | 3 |" in table and "| sinks | flex_attention | skipped: flex_attention has no backward on CPU" in table
+    assert "| sinks | flash_attention_4 | skipped: flash_attention_4 runs FlashAttention's CuTe kernels" in table
     assert (tmp_path / "recipes_loss" / "sinks.png").stat().st_size > 0
     assert json.loads((tmp_path / "recipes_loss.json").read_text())[0]["case"] == "sinks"
     for case in benchmark.cases("scaling", steps=7):  # --steps replaces each case's own count, keeping the rest
-        assert case.args[-2:] == ("--steps", "7") or case.args[-1] == "--trainer.max_steps=7", case
-        assert sum(arg in ("--steps",) or arg.startswith("--trainer.max_steps=") for arg in case.args) == 1
+        assert case.args[-2:] == ("--max_steps", "7") or case.args[-1] == "--trainer.max_steps=7", case
+        assert sum(arg in ("--max_steps",) or arg.startswith("--trainer.max_steps=") for arg in case.args) == 1
         assert "small" in " ".join(case.args)
 
 
@@ -234,7 +252,7 @@ def test_gradient_accuracy_benchmark_compares_each_implementation_with_fp32(tmp_
 
 
 def test_served_by_names_the_path_and_the_graph_build_time():
-    from common import served_by
+    from cudnn_attention.recipes.common import served_by
 
     stats = {"cudnn_forward": 8, "cudnn_backward": 8, "fallback_forward": {}, "graph_builds": {"forward": 2, "backward": 2, "seconds": 1.5}}
     assert served_by(stats, implementation="cudnn") == "cuDNN (8 forward, 8 backward calls; 4 graphs built in 1.5 s)"
@@ -249,7 +267,7 @@ def test_lightning_recipe_clips_gradients_by_norm_under_fsdp():
     from lightning.pytorch.plugins.precision import FSDPPrecision
     from lightning.pytorch.strategies import FSDPStrategy
 
-    import train_lightning
+    from cudnn_attention.recipes import train_lightning
 
     clipped = []
 
@@ -270,16 +288,13 @@ def test_lightning_recipe_clips_gradients_by_norm_under_fsdp():
 def test_packed_graphs_built_over_a_training_run_are_few():
     # Every distinct (document count, longest document) bound of a pack builds a forward and a backward cuDNN graph,
     # each about 0.1 s on an H200; with two buckets per octave the packs of 4096 tokens met 18 of them in 200 steps.
-    from cudnn_attention import cudnn_ops
+    from cudnn_attention.layouts import packed_bounds
 
     for tokens_per_step, most in ((4096, 6), (16384, 4)):
         documents = cut_documents([list(range(200 * tokens_per_step))], running=True, min_tokens=256, max_tokens=4096, seed=0)
-        q = torch.empty(tokens_per_step, 16, 64, device="meta", dtype=torch.bfloat16)
-        kv = torch.empty(tokens_per_step, 4, 64, device="meta", dtype=torch.bfloat16)
         bounds = set()
         for pack in pack_documents(documents, tokens_per_step=tokens_per_step, seed=0)[:200]:
             lengths = [len(doc) for doc in pack]
-            cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
-            batch, seq_q, seq_kv, *_ = cudnn_ops._geometry(q, kv, kv, cu, max(lengths), max(lengths))
-            bounds.add((batch, seq_q, seq_kv))
+            # The graph key's packed dims: bucketed document count and longest document (q and kv alike here).
+            bounds.add(packed_bounds(documents=len(lengths), max_seqlen=max(lengths), tokens=tokens_per_step))
         assert len(bounds) <= most, (tokens_per_step, sorted(bounds))

@@ -20,11 +20,33 @@ from .reporting import RunResult
 __all__ = ["run_with_compare", "skip_reason"]
 
 
+# FlashAttention 4's CuTe kernels (PyPI flash-attn-4), learnable-sink backward included, are built for these
+# compute capabilities (Hopper, Blackwell).
+_FA4_CAPABILITIES = (9, 10, 11)
+
+
 def skip_reason(implementation: str, *, device: str) -> str | None:
     """Why ``implementation`` cannot train on ``device``, decided before building anything; else ``None``."""
-    if implementation == "flex_attention" and not str(device).startswith("cuda"):
+    on_gpu = str(device).startswith("cuda")
+    if implementation == "flex_attention" and not on_gpu:
         # torch raises "FlexAttention does not support backward on CPU" (after ~30 s of compiling).
         return "flex_attention has no backward on CPU in torch; run the flex_attention comparison on a GPU"
+    if implementation == "flash_attention_4":
+        return _flash_attention_4_missing(device=device, on_gpu=on_gpu)
+    return None
+
+
+def _flash_attention_4_missing(*, device: str, on_gpu: bool) -> str | None:
+    if not on_gpu:
+        return "flash_attention_4 runs FlashAttention's CuTe kernels on sm90/sm100 GPUs; run that comparison on one"
+    from transformers.utils import is_flash_attn_4_available
+
+    # transformers' own test, so a skip here is exactly a run transformers would refuse.
+    if not is_flash_attn_4_available():
+        return "flash_attention_4 is not installed here (pip install flash-attn-4: FlashAttention's CuTe kernels for sm90/sm100)"
+    major, minor = torch.cuda.get_device_capability(torch.device(device))
+    if major not in _FA4_CAPABILITIES:
+        return f"flash_attention_4's CuTe kernels run on sm90/sm100; this GPU is sm{major}{minor}"
     return None
 
 

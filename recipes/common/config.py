@@ -1,25 +1,65 @@
-"""What a recipe run is: :class:`RecipeConfig` (the command line) and the size presets it resolves to.
+"""What a recipe run is: the knobs both engines take (:class:`RecipeOptions`, :class:`RunOptions`), the size presets
+they resolve to, and the optimizer settings every recipe shares.
 
-Presets pair a model shape with a data budget. ``tiny`` runs anywhere in seconds (CPU, CI); ``small``
-matches the configurations of ``shared/notes/gpu-baseline.md`` (so figures compare with today's
-sdpa/flex_attention numbers); ``1b-like`` is a Llama-3.2-1B-sized body; ``long`` packs documents of
-16k-32k tokens, where attention dominates the step.
+Each knob is written once, here: the Trainer recipes parse these dataclasses with ``HfArgumentParser``
+(``--size``, ``--compare``, ...) next to ``TrainingArguments``, which reads each field's ``help``; the Lightning recipe's
+module passes its keyword arguments to a subclass of :class:`RecipeOptions`, and LightningCLI makes them its
+``--model.*`` flags with the help of the ``Args:`` section :func:`document_fields` writes from the same ``help``.
+
+Presets pair a model shape with a data budget. ``tiny`` runs anywhere in seconds (CPU, CI); ``small`` is the
+configuration of the first end-to-end measurements (an H200, torch 2.11, transformers 5.17, 16,384 real tokens
+per step in documents of 256-4,096 tokens: sdpa 52k tokens/s at 23.6 GiB, flex_attention 125k at 18.8 GiB for
+the Llama-like body), so later figures compare with those; ``1b-like`` is a Llama-3.2-1B-sized body; ``long``
+packs documents of 16k-32k tokens, where attention dominates the step.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
+import inspect
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, get_args
 
-import torch
+from .errors import RecipeError
 
-__all__ = ["FAMILIES", "IMPLEMENTATIONS", "SIZES", "DataBudget", "ModelShape", "RecipeConfig", "data_budget", "model_shape", "parse_config"]
+__all__ = [
+    "FAMILIES",
+    "IMPLEMENTATIONS",
+    "LEARNING_RATE",
+    "MAX_GRAD_NORM",
+    "REFERENCES",
+    "SIZES",
+    "WARMUP_SHARE",
+    "WEIGHT_DECAY",
+    "DataBudget",
+    "Family",
+    "Implementation",
+    "ModelShape",
+    "RecipeOptions",
+    "Reference",
+    "RunOptions",
+    "Size",
+    "check_machine",
+    "data_budget",
+    "document_fields",
+    "help_of",
+    "model_shape",
+]
 
-FAMILIES = ("mistral", "gpt_oss", "llama")
-SIZES = ("tiny", "small", "1b-like", "long")
-IMPLEMENTATIONS = ("cudnn", "eager", "sdpa", "flex_attention")
+Family = Literal["mistral", "gpt_oss", "llama"]
+Preset = Literal["tiny", "small", "1b-like", "long"]
+Size = Literal["auto", Preset]
+# What compare mode runs next to the primary implementation.
+Reference = Literal["eager", "sdpa", "flex_attention", "flash_attention_4"]
+Implementation = Literal["cudnn", Reference]
+FAMILIES, SIZES, REFERENCES, IMPLEMENTATIONS = get_args(Family), get_args(Preset), get_args(Reference), get_args(Implementation)
+
+# The optimizer of every recipe: AdamW, cosine schedule after a linear warmup over the first tenth of the steps,
+# gradients clipped to norm 1.
+LEARNING_RATE = 5e-4
+WEIGHT_DECAY = 0.1
+WARMUP_SHARE = 0.1
+MAX_GRAD_NORM = 1.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,13 +88,13 @@ class DataBudget:
 
 
 _TINY = ModelShape(hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, intermediate=128)
-# gpu-baseline.md's rows: Llama/Mistral-like 8 x 2048 (16/4 heads, D 128, window 1024) and
+# The first end-to-end measurements' models: Llama/Mistral-like 8 x 2048 (16/4 heads, D 128, window 1024) and
 # gpt-oss-like 4 x 1024 (16/4 heads, D 64, window 128 alternating with full layers, 4 experts).
 _SMALL = ModelShape(hidden=2048, layers=8, heads=16, kv_heads=4, head_dim=128, intermediate=5632)
 _SMALL_SINKS = ModelShape(hidden=1024, layers=4, heads=16, kv_heads=4, head_dim=64, intermediate=1024, experts=4, experts_per_token=2)
 _1B = ModelShape(hidden=2048, layers=16, heads=32, kv_heads=8, head_dim=64, intermediate=8192)
 _1B_SINKS = ModelShape(hidden=2048, layers=12, heads=32, kv_heads=8, head_dim=64, intermediate=1024, experts=8, experts_per_token=2)
-# gpu-baseline.md's long-context row: 4 x 2048, 16/4 heads, D 128.
+# The first long-context measurement's body: 4 x 2048, 16/4 heads, D 128.
 _LONG = ModelShape(hidden=2048, layers=4, heads=16, kv_heads=4, head_dim=128, intermediate=5632)
 
 # size -> (shape for mistral/llama, shape for gpt_oss, mistral window, gpt_oss window)
@@ -69,14 +109,16 @@ _SHAPES = {
 _BUDGETS = {
     # 1024 tokens/step keeps the CPU fallback (exact fp32 math) at a fraction of a second per step.
     "tiny": DataBudget(tokens_per_step=1024, steps=5, min_doc_tokens=16, max_doc_tokens=512),
-    # gpu-baseline.md: 16384 real tokens per step in documents of 256-4096 tokens.
     "small": DataBudget(tokens_per_step=16384, steps=200, min_doc_tokens=256, max_doc_tokens=4096),
     "1b-like": DataBudget(tokens_per_step=16384, steps=200, min_doc_tokens=256, max_doc_tokens=4096),
-    # gpu-baseline.md's long-context step had 49,152 tokens, longest document 16,384; here 2-4 documents of
-    # 16k-32k tokens per step: attention is about half of the model FLOPs (more of the time: its kernels run
-    # below the matmuls' rate).
+    # 2-4 documents of 16k-32k tokens per step: attention is about half of the model FLOPs (more of the time: its
+    # kernels run below the matmuls' rate). The first long-context measurement packed 49,152 tokens, longest 16,384.
     "long": DataBudget(tokens_per_step=65536, steps=50, min_doc_tokens=16384, max_doc_tokens=32768),
 }
+
+# GPU memory the preset's own token budget needs: benchmarks/results/recipes_speed.md measured a peak of 25.6 GiB
+# for the Mistral-like long run on cuDNN (H200, bf16); allocator slack and the CUDA context come on top.
+_GPU_GIB_NEEDED = {"long": 32}
 
 
 def model_shape(*, family: str, size: str) -> ModelShape:
@@ -103,62 +145,86 @@ def data_budget(
                       max_doc_tokens=min(max_doc_tokens or preset.max_doc_tokens, tokens_per_step))  # fmt: skip
 
 
-@dataclass(kw_only=True)
-class RecipeConfig:
-    """Everything a Trainer recipe run takes; each field is a command-line flag (``--tokens_per_step`` or ``--tokens-per-step``).
+def check_machine(*, size: str, tokens_per_step: int, device: str, gpu_name: str | None = None, gpu_gib: float | None = None) -> None:
+    """Raise :class:`RecipeError` when ``size`` cannot train on this machine (``device``, and the GPU's total memory).
 
-    ``None`` fields are filled by :meth:`resolved` from the device and the size preset.
+    A smaller ``tokens_per_step`` than the preset's lowers what it needs in proportion (activations dominate).
     """
+    needed = _GPU_GIB_NEEDED.get(size)
+    if needed is None:
+        return
+    needed *= tokens_per_step / _BUDGETS[size].tokens_per_step
+    if not str(device).startswith("cuda"):
+        raise RecipeError(f"--size {size} needs a GPU with about {needed:.0f} GiB (device here: {device}); on a CPU use --size tiny")
+    if gpu_gib is not None and gpu_gib < needed:
+        raise RecipeError(
+            f"--size {size} at {tokens_per_step:,} tokens per step needs about {needed:.0f} GiB of GPU memory and {gpu_name} has "
+            f"{gpu_gib:.0f} GiB: pass --tokens_per_step {int(tokens_per_step * gpu_gib / needed) // 1024 * 1024} or --size small"
+        )
 
-    model: Literal["mistral", "gpt_oss", "llama"] = field(
-        default="mistral", metadata={"help": "model family: mistral (sliding window), gpt_oss (sinks + alternating window), llama"}
+
+def help_of(options: type, name: str) -> str:
+    """The help text of field ``name`` of an options dataclass (what ``--help`` shows for it)."""
+    return {f.name: f for f in dataclasses.fields(options)}[name].metadata["help"]
+
+
+def document_fields(options: type) -> type:
+    """Class decorator: append an ``Args:`` section with each field's ``help`` to the dataclass's docstring (what
+    ``help()`` shows, and where LightningCLI finds each flag's description)."""
+    lines = "".join(f"    {f.name}: {f.metadata['help']}\n" for f in dataclasses.fields(options))
+    options.__doc__ = f"{inspect.cleandoc(options.__doc__ or options.__name__)}\n\nArgs:\n{lines}"
+    return options
+
+
+@document_fields
+@dataclass(kw_only=True)
+class RecipeOptions:
+    """The model and data of a recipe run (the Lightning recipe's ``--model.*`` flags). ``None``: the size preset's."""
+
+    family: Family = field(
+        default="mistral",
+        metadata={"help": "model family: mistral (sliding window), gpt_oss (sinks + alternating window), llama", "aliases": ["--model"]},
     )
-    size: Literal["auto", "tiny", "small", "1b-like", "long"] = field(
-        default="auto", metadata={"help": "size preset; auto = small on a GPU, tiny on a CPU"}
+    size: Size = field(default="auto", metadata={"help": "size preset; auto = small on a GPU, tiny on a CPU"})
+    attn_implementation: Implementation = field(
+        default="cudnn", metadata={"help": "attention of the primary run (cudnn, or a transformers implementation)", "aliases": ["--attn"]}
     )
-    tokens_per_step: int | None = field(default=None, metadata={"help": "real tokens per optimizer step and device; None: the preset's"})
-    steps: int | None = field(default=None, metadata={"help": "optimizer steps; None: the size preset's"})
-    lr: float = field(default=5e-4, metadata={"help": "peak learning rate (cosine schedule, 10%% warmup)"})
-    attn: Literal["cudnn", "eager", "sdpa", "flex_attention"] = field(default="cudnn", metadata={"help": "attn_implementation"})
-    compare: list[str] = field(
-        default_factory=list,
-        metadata={"help": "also run the same steps with these implementations (eager sdpa flex_attention) and compare loss, speed "
-                          "and memory", "choices": IMPLEMENTATIONS[1:]},
-    )  # fmt: skip
     strict: bool = field(default=False, metadata={"help": "raise instead of falling back from cuDNN (cudnn_attention.strict)"})
-    output_dir: str | None = field(default=None, metadata={"help": "where metrics.json and loss.png go; None: runs/<recipe>"})
-    checkpoint: str | None = field(default=None, metadata={"help": "local Hugging Face checkpoint directory to fine-tune"})
-    tokenizer: str | None = field(default=None, metadata={"help": "local tokenizer directory; None: the checkpoint's, else bytes"})
+    tokens_per_step: int | None = field(default=None, metadata={"help": "real tokens per optimizer step and device; None: the preset's"})
+    min_doc_tokens: int | None = field(default=None, metadata={"help": "shortest document cut from running text; None: the preset's"})
+    max_doc_tokens: int | None = field(default=None, metadata={"help": "longest document (longer records are split); None: the preset's"})
+    checkpoint: str | None = field(default=None, metadata={"help": "local Hugging Face checkpoint directory to fine-tune; None: random init"})
+    tokenizer: str | None = field(default=None, metadata={"help": "local tokenizer directory; None: the checkpoint's, else UTF-8 bytes"})
     dataset: str | None = field(default=None, metadata={"help": "local .txt or .jsonl file; None: Python's own pydoc_data.topics text"})
     text_field: str = field(default="text", metadata={"help": "the .jsonl field holding each document's text"})
-    min_doc_tokens: int | None = field(default=None, metadata={"help": "shortest document cut from running text; None: the preset's"})
-    max_doc_tokens: int | None = field(default=None, metadata={"help": "longest document; None: the size preset's"})
-    seed: int = field(default=0, metadata={"help": "seed of the model init and the batch order (the same in compare runs)"})
-    device: str | None = field(default=None, metadata={"help": "cuda or cpu; None: cuda when available"})
 
-    def resolved(self) -> RecipeConfig:
-        """A copy with every ``None`` default filled in (device, size, budget)."""
-        device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        if device == "cuda" and "LOCAL_RANK" in os.environ:
-            # accelerate launch / torchrun: each process builds its model on its own GPU, not all on GPU 0.
-            device = f"cuda:{os.environ['LOCAL_RANK']}"
-        size = self.size if self.size != "auto" else ("small" if device.startswith("cuda") else "tiny")
-        budget = data_budget(size=size, tokens_per_step=self.tokens_per_step, steps=self.steps, min_doc_tokens=self.min_doc_tokens,
-                             max_doc_tokens=self.max_doc_tokens)  # fmt: skip
-        return dataclasses.replace(self, device=device, size=size, **dataclasses.asdict(budget))
+    def resolved(self, *, on_gpu: bool) -> RecipeOptions:
+        """A copy with the size (``auto``: small on a GPU, tiny on a CPU) and every ``None`` budget field filled in."""
+        size = self.size if self.size != "auto" else ("small" if on_gpu else "tiny")
+        budget = self.budget(size=size)
+        return dataclasses.replace(self, size=size, tokens_per_step=budget.tokens_per_step, min_doc_tokens=budget.min_doc_tokens,
+                                   max_doc_tokens=budget.max_doc_tokens)  # fmt: skip
 
-    @property
-    def dtype(self) -> torch.dtype:
-        """bf16 on a GPU (what cuDNN serves); fp32 on a CPU (the fallback computes in fp32 anyway)."""
-        return torch.bfloat16 if str(self.device).startswith("cuda") else torch.float32
+    def budget(self, *, size: str | None = None) -> DataBudget:
+        """The data budget of ``size`` (default: this size, resolved) with these options' fields in place of the preset's."""
+        return data_budget(size=size or self.size, tokens_per_step=self.tokens_per_step, min_doc_tokens=self.min_doc_tokens,
+                           max_doc_tokens=self.max_doc_tokens)  # fmt: skip
+
+    def model_name(self) -> str:
+        """How the header and plot title name the model: the checkpoint, or the family and size of a random init."""
+        return self.checkpoint or f"random-init {self.family} ({self.size})"
 
 
-def parse_config(argv: list[str] | None = None, **defaults) -> RecipeConfig:
-    """Parse ``argv`` (default ``sys.argv[1:]``) into a :class:`RecipeConfig`; ``defaults`` replace field defaults (a recipe's family)."""
-    from transformers import HfArgumentParser
+@document_fields
+@dataclass(kw_only=True)
+class RunOptions:
+    """What a run does around the training (flags of every recipe)."""
 
-    parser = HfArgumentParser(RecipeConfig)
-    if defaults:
-        parser.set_defaults(**defaults)
-    (config,) = parser.parse_args_into_dataclasses(args=argv)
-    return config
+    compare: list[str] = field(
+        default_factory=list,
+        metadata={"help": "also run the same steps with these implementations and compare loss, speed and memory "
+                          "(flash_attention_4 where installed)", "choices": REFERENCES},
+    )  # fmt: skip
+    overwrite_output_dir: bool = field(
+        default=False, metadata={"help": "write into an output directory that already holds a run's metrics.json"}
+    )

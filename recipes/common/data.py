@@ -15,11 +15,15 @@ from __future__ import annotations
 import json
 import math
 import random
+import warnings
 from pathlib import Path
 
 import torch
 
-__all__ = ["STATS_KEY", "PackedCollator", "PackedDataset", "build_dataset", "cut_documents", "load_texts", "pack_documents"]
+from .errors import RecipeError
+
+__all__ = ["STATS_KEY", "PackedCollator", "PackedDataset", "RecipeDataWarning", "build_dataset", "cut_documents", "load_texts",
+           "pack_documents", "warn_if_repeated"]  # fmt: skip
 
 # The collator's per-step counts ride in the batch under this key; the recipes pop it before the model call.
 STATS_KEY = "recipe_stats"
@@ -35,18 +39,25 @@ def load_texts(*, dataset: str | None = None, text_field: str = "text") -> tuple
         return [pydoc_data.topics.topics[name] for name in sorted(pydoc_data.topics.topics)], True
     path = Path(dataset)
     if not path.is_file():
-        raise FileNotFoundError(f"dataset {dataset!r} is not a local file (a .txt or .jsonl file is expected)")
-    if path.suffix == ".jsonl":
-        texts = []
-        with path.open(encoding="utf-8") as lines:
-            for number, line in enumerate(lines, 1):
-                if line.strip():
-                    record = json.loads(line)
-                    if text_field not in record:
-                        raise KeyError(f"{dataset}:{number} has no field {text_field!r} (fields: {sorted(record)}); pass --text_field")
-                    texts.append(str(record[text_field]))
-        return texts, False
-    return [path.read_text(encoding="utf-8")], True
+        raise RecipeError(f"dataset {dataset!r} is not a local file: pass the path of a .txt or .jsonl file (nothing is downloaded)")
+    try:
+        if path.suffix != ".jsonl":
+            return [path.read_text(encoding="utf-8")], True
+        return [_record_text(line, text_field=text_field, where=f"{dataset}:{number}")
+                for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1) if line.strip()], False  # fmt: skip
+    except UnicodeDecodeError as error:
+        raise RecipeError(f"dataset {dataset!r} is not UTF-8 text ({error.reason} at byte {error.start}): pass a .txt or .jsonl file") from None
+
+
+def _record_text(line: str, *, text_field: str, where: str) -> str:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as error:
+        raise RecipeError(f"{where} is not a JSON record ({error.msg}): a .jsonl file holds one JSON object per line") from None
+    if not isinstance(record, dict) or text_field not in record:
+        fields = sorted(record) if isinstance(record, dict) else f"a JSON {type(record).__name__}, not an object"
+        raise RecipeError(f"{where} has no field {text_field!r} (fields: {fields}): pass --text_field with the field holding the text")
+    return str(record[text_field])
 
 
 def cut_documents(token_texts: list[list[int]], *, running: bool, min_tokens: int, max_tokens: int, seed: int) -> list[list[int]]:
@@ -95,8 +106,33 @@ def pack_documents(documents: list[list[int]], *, tokens_per_step: int, seed: in
     if current and not packs:
         packs.append(current)
     if not packs:
-        raise ValueError("the dataset has no tokens")
+        raise RecipeError("the dataset has no text: pass a --dataset with at least one non-empty document")
     return packs
+
+
+class RecipeDataWarning(UserWarning):
+    """The data is too small for the run: steps repeat it, or a step holds fewer tokens than its budget."""
+
+
+def warn_if_repeated(*, packs: list[list[list[int]]], tokens_per_step: int, steps: int, world_size: int = 1,
+                     packs_per_step: int = 1) -> str | None:  # fmt: skip
+    """Warn (:class:`RecipeDataWarning`), with the numbers, when ``steps`` optimizer steps on ``world_size`` devices, each step
+    taking ``packs_per_step`` packs of ``tokens_per_step`` tokens per device (batch size x gradient accumulation), would train
+    on the same packs more than once or on fewer tokens than a step holds; returns the message (``None``: no warning)."""
+    tokens = sum(len(doc) for pack in packs for doc in pack)
+    step_tokens = tokens_per_step * packs_per_step
+    per_device = math.ceil(len(packs) / world_size)  # each device draws its own packs (a distributed sampler)
+    if tokens < step_tokens:
+        message = (f"the data has {tokens:,} tokens, fewer than one step's {step_tokens:,}: each of the {steps} steps trains on "
+                   f"the same {tokens:,} tokens; pass --tokens_per_step {tokens // packs_per_step} or less, or more data")  # fmt: skip
+    elif steps * packs_per_step > per_device:
+        message = (f"the data fills {len(packs)} packs of {tokens_per_step:,} tokens ({per_device} per device): {steps} steps of "
+                   f"{packs_per_step} go over it {steps * packs_per_step / per_device:.1f} times; pass more data, fewer steps or a "
+                   f"smaller --tokens_per_step")  # fmt: skip
+    else:
+        return None
+    warnings.warn(message, RecipeDataWarning, stacklevel=2)
+    return message
 
 
 class PackedDataset(torch.utils.data.Dataset):

@@ -1,8 +1,9 @@
 """Model FLOPs of a packed training step, for MFU: 6 x active matmul parameters x tokens, plus attention.
 
 Attention counts the (query, key) pairs each document actually computes — causal counts half the
-square, a window of W keys at most W per query, as in ``shared/notes/gpu-baseline.md`` — times
-``4 * H_q * D`` for the two matmuls forward, times 3 for forward plus backward.
+square (the convention of FlashAttention's benchmarks), a window of W keys at most W per query — times
+``4 * H_q * D`` for the two matmuls forward, times 3 for forward plus backward (the backward counted as twice
+the forward, as in the 6 x parameters x tokens rule for the other matmuls).
 """
 
 from __future__ import annotations

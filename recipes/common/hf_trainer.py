@@ -1,133 +1,154 @@
 """The engine of the Trainer recipes: packed fine-tuning with transformers' ``Trainer``, measured and optionally compared.
 
-Works unchanged under ``accelerate launch`` (DDP or FSDP): every rank trains on its own packs
-(per-device token budget), per-step counts are gathered at the end, and only rank zero prints and
-writes files.
+Every ``TrainingArguments`` flag passes through (``--report_to tensorboard``, ``--gradient_checkpointing``,
+``--save_strategy steps``, ``--torch_compile``, ...) next to the recipe's own (:class:`~.config.RecipeOptions`,
+:class:`~.config.RunOptions`); the recipe only changes defaults (:data:`TRAINER_DEFAULTS`, and what depends on the
+machine or the size preset). Works unchanged under ``accelerate launch`` (DDP or FSDP): every rank trains on its own
+packs (per-device token budget), per-step counts are gathered at the end, and only the main process prints and
+writes the summary.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
-import time
+import dataclasses
 from pathlib import Path
 
+import cudnn_attention
 import torch
 
-import cudnn_attention
-
 from .compare import run_with_compare
-from .config import RecipeConfig, model_shape, parse_config
-from .data import STATS_KEY, PackedCollator, build_dataset
+from .config import LEARNING_RATE, MAX_GRAD_NORM, WARMUP_SHARE, WEIGHT_DECAY, RecipeOptions, RunOptions, check_machine, model_shape
+from .data import STATS_KEY, PackedCollator, build_dataset, warn_if_repeated
+from .errors import run_command
 from .flops import step_flops_of
 from .model import build_model
-from .reporting import RunResult, finish, step_columns, step_row
+from .reporting import RunResult, fallback_announced, finish, format_rate, header
+from .run_dirs import checked_output_dir, new_run_dir, remove_empty_dirs
+from .steps import StepRecorder
 from .tokenizer import load_tokenizer
 
-__all__ = ["main", "run", "train_once"]
+__all__ = ["TRAINER_DEFAULTS", "command", "main", "parse", "run", "train_once"]
+
+# The recipe's TrainingArguments defaults; any flag on the command line replaces them.
+TRAINER_DEFAULTS = dict(
+    per_device_train_batch_size=1,  # one pack of --tokens_per_step tokens is one row
+    learning_rate=LEARNING_RATE, lr_scheduler_type="cosine", weight_decay=WEIGHT_DECAY, max_grad_norm=MAX_GRAD_NORM,
+    save_strategy="no", report_to="none",
+    remove_unused_columns=False,  # the collator's counts ride in the batch until training_step pops them
+    seed=0,
+    ddp_find_unused_parameters=False,  # every parameter gets a gradient every step; skip DDP's graph walk
+)  # fmt: skip
+# Filled in after parsing when not given: from the machine (use_cpu, bf16, dataloader_pin_memory), the size preset
+# (max_steps) and the step count (warmup_steps, logging_steps); output_dir: a new folder per run.
+_RESOLVED_LATER = ("use_cpu", "bf16", "dataloader_pin_memory", "max_steps", "warmup_steps", "logging_steps", "output_dir")
 
 
-def _is_rank_zero() -> bool:
-    # accelerate launch and torchrun set RANK for every process; a plain `python` run has none.
-    return os.environ.get("RANK", "0") == "0"
+def _fields(values: dict, dataclass_type) -> dict:
+    return {f.name: values[f.name] for f in dataclasses.fields(dataclass_type) if f.init and f.name in values}
+
+
+def parse(argv: list[str] | None = None, *, family: str = "mistral"):
+    """``(options, run_options, training_args)`` from ``argv`` (default: the command line); ``family`` is the recipe's default
+    model family. ``training_args.output_dir`` stays ``None`` unless given (:func:`run` makes a new folder)."""
+    from transformers import HfArgumentParser, TrainingArguments
+
+    parser = HfArgumentParser((RecipeOptions, RunOptions, TrainingArguments))
+    parser.set_defaults(family=family, **TRAINER_DEFAULTS, **dict.fromkeys(_RESOLVED_LATER))
+    values = vars(parser.parse_args(argv))
+    if values["use_cpu"] is None:
+        values["use_cpu"] = not torch.cuda.is_available()
+    on_gpu = not values["use_cpu"] and torch.cuda.is_available()
+    for name in ("bf16", "dataloader_pin_memory"):  # bf16 is what cuDNN serves; pinned memory only helps a GPU
+        values[name] = on_gpu if values[name] is None else values[name]
+    options = RecipeOptions(**_fields(values, RecipeOptions)).resolved(on_gpu=on_gpu)
+    if values["max_steps"] in (None, -1):
+        values["max_steps"] = options.budget().steps
+    if values["warmup_steps"] is None:
+        values["warmup_steps"] = int(values["max_steps"] * WARMUP_SHARE)
+    if values["logging_steps"] is None:
+        values["logging_steps"] = max(1, values["max_steps"] // 10)
+    output_dir = values["output_dir"]
+    args = TrainingArguments(**_fields(values, TrainingArguments))
+    args.output_dir = output_dir  # TrainingArguments turns None into "trainer_output"; run() needs to know it was not given
+    return options, RunOptions(**_fields(values, RunOptions)), args
 
 
 def _trainer_classes():
-    """``Trainer`` subclass and callback, defined on first use so that importing this module does not import transformers' trainer."""
-    from transformers import Trainer, TrainerCallback
+    """``Trainer`` subclass and callbacks, defined on first use so that importing this module does not import transformers' trainer."""
+    from transformers import ProgressCallback, Trainer, TrainerCallback
 
-    class StepClock(TrainerCallback):
-        """Wall time of each optimizer step, data loading included (what a user waits for)."""
+    class RecordSteps(TrainerCallback):
+        """Starts and ends each optimizer step on the :class:`StepRecorder` (every rank)."""
 
-        def __init__(self, cuda: bool):
-            self.cuda, self.seconds, self._last = cuda, [], None
-
-        def _now(self) -> float:
-            if self.cuda:
-                torch.cuda.synchronize()  # kernels are queued asynchronously: time what ran, not what was queued
-            return time.perf_counter()
+        def __init__(self, recorder: StepRecorder):
+            self.recorder = recorder
 
         def on_step_begin(self, args, state, control, **kwargs):
-            if self._last is None:
-                self._last = self._now()
+            self.recorder.begin()
 
         def on_step_end(self, args, state, control, **kwargs):
-            now = self._now()
-            self.seconds.append(now - self._last)
-            self._last = now
+            self.recorder.end_step()
+
+    class TokensProgress(ProgressCallback):
+        """transformers' progress bar with the step's loss, tokens/s and MFU beside the step count (what the summary reports)."""
+
+        def __init__(self, recorder: StepRecorder):
+            super().__init__()
+            self.recorder = recorder
+
+        def on_step_end(self, args, state, control, **kwargs):
+            super().on_step_end(args, state, control, **kwargs)
+            if self.training_bar is not None and self.recorder.losses:
+                live = self.recorder.live()
+                mfu = f", MFU {100 * live['mfu']:.1f}%" if live["mfu"] is not None else ""
+                loss = self.recorder.losses[-1].item()  # the recorder's clock synchronized already: no extra wait
+                self.training_bar.set_postfix_str(f"loss {loss:.4f}, {format_rate(live['tokens_per_s'])} tokens/s{mfu}")
 
     class PackedTrainer(Trainer):
-        """Pops the collator's per-step counts before the model call and keeps each step's loss, tokens and FLOPs."""
+        """Pops the collator's per-step counts before the model call and hands them, with the loss, to the recorder."""
 
-        def __init__(self, *args, step_flops, clock, peak_flops, **kwargs):
-            super().__init__(*args, **kwargs)
-            self.step_flops, self.clock, self.peak_flops = step_flops, clock, peak_flops
-            self.step_losses: list[torch.Tensor] = []
-            self.step_counts: list[tuple[float, float, float, float]] = []
+        def __init__(self, *args, recorder: StepRecorder, **kwargs):
+            super().__init__(*args, callbacks=[RecordSteps(recorder)], **kwargs)
+            self.recorder = recorder
+            if self.pop_callback(ProgressCallback) is not None:  # a terminal (not a notebook, not --disable_tqdm)
+                self.add_callback(TokensProgress(recorder))
 
         def training_step(self, model, inputs, num_items_in_batch=None):
-            self.step_counts.append(step_row(inputs.pop(STATS_KEY), self.step_flops))
+            counts = inputs.pop(STATS_KEY)
             loss = super().training_step(model, inputs, num_items_in_batch)
-            self.step_losses.append(loss)  # a device tensor: reading it now would synchronize every step
+            self.recorder.add_batch(counts, loss)
             return loss
 
         def log(self, logs, start_time=None):
-            # Live throughput in the progress output, from this rank's counts (the final figures gather all ranks).
-            seconds = sum(self.clock.seconds)
-            if "loss" in logs and seconds > 0:
-                done = self.step_counts[: len(self.clock.seconds)]
-                logs["tokens_per_s"] = round(sum(c[0] for c in done) * self.args.world_size / seconds)
-                if self.peak_flops:
-                    logs["mfu"] = round(sum(c[2] for c in done) / seconds / self.peak_flops, 4)
+            if "loss" in logs:  # the logged lines (and TensorBoard, W&B, ...) carry the bar's figures
+                live = self.recorder.live()
+                logs["tokens_per_s"] = round(live["tokens_per_s"]) if live["tokens_per_s"] else None
+                if live["mfu"] is not None:
+                    logs["mfu"] = round(live["mfu"], 4)
             super().log(logs, start_time)
 
-        def gathered(self) -> tuple[list[float], list[tuple]]:
-            """Per-step losses averaged over ranks (each rank's loss is its share of the global token mean, times
-            the world size) and per-step counts summed over ranks."""
-            device = self.args.device
-            losses = torch.stack(self.step_losses).float().to(device)[None]
-            counts = torch.tensor(self.step_counts, dtype=torch.float64, device=device)[None]
-            losses, counts = self.accelerator.gather(losses).mean(0), self.accelerator.gather(counts).sum(0)
-            return losses.tolist(), [tuple(row) for row in counts.tolist()]
-
-    return PackedTrainer, StepClock
+    return PackedTrainer
 
 
-def train_once(config: RecipeConfig, implementation: str, *, dataset, tokenizer, output_dir: Path) -> RunResult:
-    """Train ``config.steps`` steps with ``implementation`` from the seed's initial weights; return what was measured."""
-    from transformers import TrainingArguments
-
-    from cudnn_attention.throughput import dense_bf16_peak_flops
-
-    PackedTrainer, StepClock = _trainer_classes()
-    cuda = str(config.device).startswith("cuda")
-    shape = None if config.checkpoint else model_shape(family=config.model, size=config.size)
+def train_once(options: RecipeOptions, args, implementation: str, *, dataset, tokenizer) -> RunResult:
+    """Train ``args.max_steps`` steps with ``implementation`` from the seed's initial weights; return what was measured."""
+    PackedTrainer = _trainer_classes()
+    cuda = args.device.type == "cuda"
+    shape = None if options.checkpoint else model_shape(family=options.family, size=options.size)
     model = build_model(
-        attn_implementation=implementation, family=config.model, shape=shape, vocab_size=tokenizer.vocab_size,
-        max_positions=max(4096, config.max_doc_tokens), checkpoint=config.checkpoint, tokenizer=tokenizer, device=config.device,
-        dtype=config.dtype, seed=config.seed,
+        attn_implementation=implementation, family=options.family, shape=shape, vocab_size=tokenizer.vocab_size,
+        max_positions=max(4096, options.max_doc_tokens), checkpoint=options.checkpoint, tokenizer=tokenizer, device=args.device,
+        dtype=torch.bfloat16 if cuda else torch.float32,  # bf16 weights on a GPU (what cuDNN serves); the CPU fallback computes in fp32
+        seed=args.seed,
     )  # fmt: skip
-    step_flops = step_flops_of(model)  # before any wrapping (FSDP shards the parameters)
-    args = TrainingArguments(
-        output_dir=str(output_dir / f"trainer-{implementation}"), max_steps=config.steps, per_device_train_batch_size=1,
-        learning_rate=config.lr, lr_scheduler_type="cosine", warmup_steps=config.steps // 10, weight_decay=0.1,
-        logging_steps=max(1, config.steps // 10), save_strategy="no", report_to="none", remove_unused_columns=False,
-        bf16=cuda, use_cpu=not cuda, seed=config.seed, dataloader_pin_memory=cuda,
-        ddp_find_unused_parameters=False,  # every parameter gets a gradient every step; skip DDP's graph walk
-    )  # fmt: skip
-    clock = StepClock(cuda)
-    peak_flops = dense_bf16_peak_flops(args.device) if cuda else None
-    trainer = PackedTrainer(model=model, args=args, train_dataset=dataset, data_collator=PackedCollator(), callbacks=[clock],
-                            step_flops=step_flops, clock=clock, peak_flops=peak_flops)  # fmt: skip
-    with cudnn_attention.strict() if config.strict else contextlib.nullcontext():
+    # step_flops_of before any wrapping (FSDP shards the parameters)
+    recorder = StepRecorder(step_flops=step_flops_of(model), device=args.device, planned_steps=args.max_steps, world_size=args.world_size)
+    trainer = PackedTrainer(model=model, args=args, train_dataset=dataset, data_collator=PackedCollator(), recorder=recorder)
+    with cudnn_attention.strict() if options.strict else contextlib.nullcontext():
         trainer.train()
-    losses, counts = trainer.gathered()
-    result = RunResult(
-        attn_implementation=implementation, losses=losses, step_seconds=list(clock.seconds), **step_columns(counts), world_size=args.world_size, distributed=_distributed(trainer), device_name=torch.cuda.get_device_name() if cuda else "cpu",
-        peak_flops=peak_flops,
-        peak_memory_bytes=torch.cuda.max_memory_allocated() if cuda else None, stats=cudnn_attention.stats(),
-    )  # fmt: skip
-    return result
+    return recorder.result(attn_implementation=implementation, gather=lambda t: trainer.accelerator.gather(t[None]),
+                           distributed=_distributed(trainer))  # fmt: skip
 
 
 def _distributed(trainer) -> str:
@@ -137,35 +158,64 @@ def _distributed(trainer) -> str:
     )
 
 
-def run(config: RecipeConfig, *, recipe: str) -> dict:
-    """Train (and compare), then on rank zero print the summary and write ``metrics.json`` and ``loss.png``; returns the metrics."""
-    config = config.resolved()
-    if str(config.device).startswith("cuda") and torch.device(config.device).index is not None:
-        torch.cuda.set_device(torch.device(config.device))  # memory figures and the device name refer to it
-    output_dir = Path(config.output_dir or Path("runs") / recipe)
-    tokenizer = load_tokenizer(tokenizer=config.tokenizer, checkpoint=config.checkpoint)
+def _run_dir(args, run_options: RunOptions, *, recipe: str, main_process: bool) -> tuple[Path, Path]:
+    """The run's folder and the folder that stays if the run leaves nothing there (see ``remove_empty_dirs``)."""
+    if args.output_dir is not None:
+        path = checked_output_dir(args.output_dir, overwrite=run_options.overwrite_output_dir)
+        return path, path if path.exists() else path.parent
+    from accelerate.utils import broadcast_object_list
+
+    # The main process names and creates the folder; every rank needs the same one (FSDP saves a shard from each).
+    chosen = [str(new_run_dir(recipe)) if main_process else None]
+    return Path(broadcast_object_list(chosen)[0]), Path.cwd()
+
+
+def run(options: RecipeOptions, run_options: RunOptions, args, *, recipe: str) -> dict:
+    """Train (and compare), then on the main process print the summary and write ``metrics.json`` and ``loss.png``; returns the
+    metrics. Each implementation's ``Trainer`` writes (checkpoints, TensorBoard logs) into ``<run folder>/<implementation>``."""
+    from accelerate import PartialState
+
+    device = args.device  # sets up the process group under accelerate launch / torchrun
+    main_process = PartialState().is_main_process
+    gpu = torch.cuda.get_device_properties(device) if device.type == "cuda" else None
+    check_machine(size=options.size, tokens_per_step=options.tokens_per_step, device=str(device), gpu_name=gpu and gpu.name,
+                  gpu_gib=gpu and gpu.total_memory / 2**30)  # fmt: skip
+    tokenizer = load_tokenizer(tokenizer=options.tokenizer, checkpoint=options.checkpoint)
     dataset = build_dataset(
-        tokenizer=tokenizer, dataset=config.dataset, text_field=config.text_field, tokens_per_step=config.tokens_per_step,
-        min_doc_tokens=config.min_doc_tokens, max_doc_tokens=config.max_doc_tokens, seed=config.seed,
+        tokenizer=tokenizer, dataset=options.dataset, text_field=options.text_field, tokens_per_step=options.tokens_per_step,
+        min_doc_tokens=options.min_doc_tokens, max_doc_tokens=options.max_doc_tokens, seed=args.seed,
     )  # fmt: skip
-    rank_zero = _is_rank_zero()
-    if rank_zero:
-        documents = sum(len(pack) for pack in dataset.packs)
-        model = config.checkpoint or f"random-init {config.model} ({config.size})"
-        print(f"{recipe}: {model}, attn_implementation={config.attn!r}, {config.device}, {config.steps} steps of "
-              f"{config.tokens_per_step:,} tokens per device ({len(dataset)} packs, {documents / len(dataset):.1f} documents each, "
-              f"{config.min_doc_tokens}-{config.max_doc_tokens} tokens per document)")  # fmt: skip
-        if config.attn == "cudnn" and not str(config.device).startswith("cuda"):
-            print("no GPU: cudnn_attention serves every attention call on its exact PyTorch fallback (counted below); cuDNN needs a GPU")
-    results = run_with_compare(
-        lambda implementation: train_once(config, implementation, dataset=dataset, tokenizer=tokenizer, output_dir=output_dir),
-        primary=config.attn, references=config.compare, device=config.device,
-    )  # fmt: skip
-    title = f"{recipe}: {config.checkpoint or f'{config.model} {config.size}'}"
-    return finish(recipe=recipe, results=results, primary=config.attn, config=dict(vars(config)),
-                  output_dir=output_dir, title=title, write=rank_zero)  # fmt: skip
+    if main_process:
+        packs_per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps  # one pack per row
+        print(header(recipe=recipe, model=options.model_name(), implementation=options.attn_implementation, device=str(device),
+                     steps=args.max_steps, tokens_per_step=options.tokens_per_step * packs_per_step, packs=dataset.packs,
+                     doc_tokens=(options.min_doc_tokens, options.max_doc_tokens)))  # fmt: skip
+        warn_if_repeated(packs=dataset.packs, tokens_per_step=options.tokens_per_step, steps=args.max_steps, world_size=args.world_size,
+                         packs_per_step=packs_per_step)  # fmt: skip
+    output_dir, keep = _run_dir(args, run_options, recipe=recipe, main_process=main_process)
+
+    def run_once(implementation: str) -> RunResult:
+        implementation_args = dataclasses.replace(args, output_dir=str(output_dir / implementation))
+        with fallback_announced(device=str(device)):
+            return train_once(options, implementation_args, implementation, dataset=dataset, tokenizer=tokenizer)
+
+    try:
+        results = run_with_compare(run_once, primary=options.attn_implementation, references=run_options.compare, device=str(device))
+        config = {**dataclasses.asdict(options), **dataclasses.asdict(run_options), "steps": args.max_steps, "output_dir": str(output_dir),
+                  "training_arguments": args.to_dict()}  # fmt: skip
+        return finish(recipe=recipe, results=results, primary=options.attn_implementation, config=config, output_dir=output_dir,
+                      title=f"{recipe}: {options.model_name()}", write=main_process)  # fmt: skip
+    finally:
+        if main_process:
+            remove_empty_dirs(output_dir, keep=keep)  # the Trainers' folders when nothing was saved; the run's own when it failed
 
 
-def main(argv: list[str] | None = None, *, recipe: str, model: str) -> dict:
-    """Command-line entry of a Trainer recipe: ``model`` is the recipe's default family."""
-    return run(parse_config(argv, model=model), recipe=recipe)
+def main(argv: list[str] | None = None, *, recipe: str, family: str) -> dict:
+    """Programmatic entry of a Trainer recipe (``argv``: its command-line flags); ``family`` is the recipe's default model."""
+    options, run_options, args = parse(argv, family=family)
+    return run(options, run_options, args, recipe=recipe)
+
+
+def command(*, recipe: str, family: str) -> None:
+    """Command-line entry of a Trainer recipe: a user mistake ends it with one line, not a traceback."""
+    run_command(lambda argv: main(argv, recipe=recipe, family=family))

@@ -13,11 +13,12 @@ import torch
 import cudnn_attention  # noqa: F401  (registers attn_implementation="cudnn" when transformers loads)
 
 from .config import ModelShape
+from .errors import RecipeError
 
 __all__ = ["UnsupportedImplementation", "build_model", "hf_config", "packing_safe_masks"]
 
 
-class UnsupportedImplementation(ValueError):
+class UnsupportedImplementation(RecipeError):
     """The model does not support the requested ``attn_implementation`` (transformers refused it)."""
 
 
@@ -61,7 +62,7 @@ def build_model(
     """A causal LM ready to train: from the local ``checkpoint`` directory, else random-initialized from ``family``/``shape``.
 
     ``device``/``dtype`` default to torch's current ones (Lightning's init context sets them).
-    Raises ``ValueError`` when the model does not support ``attn_implementation`` (gpt-oss and "sdpa").
+    Raises :class:`UnsupportedImplementation` when the model does not support ``attn_implementation`` (gpt-oss and "sdpa").
     """
     from transformers import AutoModelForCausalLM
 
@@ -69,7 +70,7 @@ def build_model(
     if checkpoint is not None:
         if not Path(checkpoint).is_dir():
             # Local directories only: never a hub name (recipes run offline; no surprise downloads).
-            raise FileNotFoundError(f"checkpoint directory {checkpoint!r} does not exist (recipes load local directories only)")
+            raise RecipeError(f"checkpoint directory {checkpoint!r} does not exist: pass a local directory (recipes download nothing)")
         with _refusal_as_unsupported():
             model = AutoModelForCausalLM.from_pretrained(
                 checkpoint, attn_implementation=attn_implementation, dtype=dtype, local_files_only=True
@@ -86,7 +87,9 @@ def build_model(
     config.use_cache = False  # training: a cache would also leak across packed documents on eager/sdpa
     if getattr(config, "model_type", None) == "gpt_oss":
         packing_safe_masks(model)
-    return model
+    # from_pretrained returns a model in eval mode; Lightning keeps each module's mode (and warns), so a checkpoint
+    # would otherwise train without what train mode turns on (the checkpoint's dropout, for one).
+    return model.train()
 
 
 @contextlib.contextmanager
@@ -112,10 +115,12 @@ def packing_safe_masks(model) -> None:
     """
     from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
+    from cudnn_attention._compat import attn_implementation_of
+
     inner = model.get_decoder() if hasattr(model, "get_decoder") else model.model
 
     def build_masks(module, args, kwargs):
-        implementation = module.config._attn_implementation
+        implementation = attn_implementation_of(module)  # transformers has no public getter (see cudnn_attention._compat)
         position_ids = kwargs.get("position_ids")
         if implementation not in ("eager", "sdpa", "flex_attention") or kwargs.get("attention_mask") is not None or position_ids is None:
             return None
@@ -123,10 +128,12 @@ def packing_safe_masks(model) -> None:
         reference = kwargs.get("inputs_embeds")
         if reference is None:  # the mask builders read only shape, dtype and device
             reference = torch.empty(*input_ids.shape, 0, dtype=module.embed_tokens.weight.dtype, device=input_ids.device)
-        options = dict(config=module.config, inputs_embeds=reference, attention_mask=None, past_key_values=None, position_ids=position_ids)
+        # (config, inputs_embeds, attention_mask, cache) by position: 5.24 renamed the cache keyword from past_key_values
+        # (the old name warns, and goes in 5.40), and both names sit at the same place in 5.17 to 5.24.
+        arguments = (module.config, reference, None, None)
         kwargs["attention_mask"] = {
-            "full_attention": create_causal_mask(**options),
-            "sliding_attention": create_sliding_window_causal_mask(**options),
+            "full_attention": create_causal_mask(*arguments, position_ids=position_ids),
+            "sliding_attention": create_sliding_window_causal_mask(*arguments, position_ids=position_ids),
         }
         return args, kwargs
 

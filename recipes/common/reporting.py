@@ -1,24 +1,65 @@
 """What a run measured (:class:`RunResult`), its summary, and the files a recipe leaves: metrics JSON and a loss-curve PNG.
 
 Throughput excludes the first steps (graph builds, compilation, allocator warm-up); MFU uses the
-GPU's dense bf16 peak from :mod:`cudnn_attention.throughput` (Lightning's table lacks the H200).
+GPU's dense bf16 peak from :mod:`cudnn_attention.integrations.throughput` (Lightning's table lacks the H200).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-__all__ = ["RunResult", "comparison", "describe_comparison", "finish", "plot_losses", "served_by", "step_columns", "step_row", "warmup_steps",
-           "write_metrics"]  # fmt: skip
+__all__ = ["IMPLEMENTATION_COLORS", "RunResult", "comparison", "describe_comparison", "draw_losses", "fallback_announced", "finish",
+           "format_rate", "header", "plot_losses", "rates", "served_by", "step_columns", "step_row", "warmup_steps", "write_metrics"]  # fmt: skip
 
 _GIB = 2**30
+# One colour per implementation in every panel and every plot of the recipes and their benchmarks.
+IMPLEMENTATION_COLORS = {"cudnn": "C0", "eager": "C1", "sdpa": "C2", "flex_attention": "C3", "flash_attention_4": "C4"}
+_CPU_NOTE = "no GPU: cudnn_attention serves every attention call on its exact PyTorch fallback (counted below); cuDNN needs a GPU"
 
 
 def warmup_steps(steps: int) -> int:
     """Steps left out of throughput: 1 of a short run, a tenth of a longer one, at most 5."""
     return 0 if steps < 2 else max(1, min(5, steps // 10))
+
+
+def rates(seconds: list[float], tokens: list[float], flops: list[float], *, skip: int, peak_flops: float | None,
+          world_size: int) -> tuple[float | None, float | None]:  # fmt: skip
+    """``(tokens/s, MFU)`` over the steps after the first ``skip``; ``tokens`` and ``flops`` per step summed over the
+    ``world_size`` devices, MFU against ``peak_flops`` per device (``None`` where unknown)."""
+    elapsed = sum(seconds[skip:])
+    if elapsed <= 0:
+        return None, None
+    mfu = sum(flops[skip:]) / elapsed / (peak_flops * world_size) if peak_flops else None
+    return sum(tokens[skip:]) / elapsed, mfu
+
+
+def format_rate(tokens_per_s: float | None) -> str:
+    """Tokens/s as the progress bars and the summary print it."""
+    return "n/a" if not tokens_per_s else f"{tokens_per_s:,.0f}"
+
+
+def header(*, recipe: str, model: str, implementation: str, device: str, steps: int, tokens_per_step: int, packs: list,
+           doc_tokens: tuple[int, int]) -> str:  # fmt: skip
+    """The line a recipe prints before training (and, without a GPU, that the fallback serves cudnn)."""
+    documents = sum(len(pack) for pack in packs)
+    line = (f"{recipe}: {model}, attn_implementation={implementation!r}, {device}, {steps} steps of {tokens_per_step:,} tokens per "
+            f"device ({len(packs)} packs, {documents / len(packs):.1f} documents each, {doc_tokens[0]}-{doc_tokens[1]} tokens per document)")  # fmt: skip
+    return f"{line}\n{_CPU_NOTE}" if implementation == "cudnn" and not str(device).startswith("cuda") else line
+
+
+@contextlib.contextmanager
+def fallback_announced(*, device: str):
+    """Inside, the fallback's own warning for CPU tensors stays silent on a CPU run: :func:`header` said it once already."""
+    with warnings.catch_warnings():
+        if not str(device).startswith("cuda"):
+            from cudnn_attention import CudnnAttentionFallbackWarning
+
+            warnings.filterwarnings("ignore", message=".*: cpu tensors$", category=CudnnAttentionFallbackWarning)
+        yield
 
 
 def step_row(counts: dict, step_flops) -> tuple[float, float, float, float]:
@@ -58,10 +99,7 @@ class RunResult:
         if self.skipped:
             return {"attn_implementation": self.attn_implementation, "skipped": self.skipped}
         skip = warmup_steps(len(self.step_seconds))
-        seconds = sum(self.step_seconds[skip:])
-        tokens, flops = sum(self.tokens[skip:]), sum(self.flops[skip:])
-        tokens_per_s = tokens / seconds if seconds > 0 else None
-        mfu = flops / seconds / (self.peak_flops * self.world_size) if seconds > 0 and self.peak_flops else None
+        tokens_per_s, mfu = rates(self.step_seconds, self.tokens, self.flops, skip=skip, peak_flops=self.peak_flops, world_size=self.world_size)
         return {
             "attn_implementation": self.attn_implementation,
             "steps": len(self.losses),
@@ -89,7 +127,7 @@ class RunResult:
             return [f"[{self.attn_implementation}] skipped: {self.skipped}"]
         mfu = f"{100 * s['mfu']:.1f}%" if s["mfu"] is not None else "n/a (no dense bf16 peak known for this device)"
         memory = f"{s['peak_memory_gib']:.2f} GiB" if s["peak_memory_gib"] is not None else "n/a (cpu)"
-        rate = f"{s['tokens_per_s']:,.0f}" if s["tokens_per_s"] else "n/a"
+        rate = format_rate(s["tokens_per_s"])
         return [
             f"[{self.attn_implementation}] loss {s['first_loss']:.4f} -> {s['final_loss']:.4f} over {s['steps']} steps",
             (
@@ -130,21 +168,31 @@ def write_metrics(path: str | Path, payload: dict) -> Path:
     return path
 
 
-def plot_losses(path: str | Path, results: dict[str, RunResult], *, title: str) -> Path:
-    """Loss per step of each run; with two runs or more, a second panel shows each run's difference from the baseline
-    (eager when it ran: the reference every other implementation is judged against; else the first run)."""
+def _legend_name(name: str, result: RunResult) -> str:
+    # A cudnn run the fallback served is not a cuDNN measurement: the legend says so where the curve is read.
+    fallback = result.stats.get("fallback_forward") and not result.stats.get("cudnn_forward")
+    return f"{name} (exact fallback, not cuDNN)" if fallback else name
+
+
+def draw_losses(results: dict[str, RunResult], *, title: str):
+    """A matplotlib figure of each run's loss per optimizer step; with two runs or more, a second panel shows each run's
+    difference from the baseline (eager when it ran: the reference every other implementation is judged against; else the
+    first run). Each implementation keeps its colour (:data:`IMPLEMENTATION_COLORS`) in both panels."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only: no display on servers or CI
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     ran = {name: result for name, result in results.items() if result.losses}
     panels = 2 if len(ran) >= 2 else 1
     figure, axes = plt.subplots(panels, 1, figsize=(8, 3.2 * panels + 1), squeeze=False, sharex=True)
     styles = ["-", "--", ":", "-."]
+    colors = {name: IMPLEMENTATION_COLORS.get(name, f"C{5 + index}") for index, name in enumerate(ran)}
     for index, (name, result) in enumerate(ran.items()):
         # Distinct line styles: curves that agree would otherwise hide each other.
-        axes[0][0].plot(range(1, len(result.losses) + 1), result.losses, label=name, linewidth=1.2, linestyle=styles[index % len(styles)])
+        axes[0][0].plot(range(1, len(result.losses) + 1), result.losses, label=_legend_name(name, result), color=colors[name],
+                        linewidth=1.2, linestyle=styles[index % len(styles)])  # fmt: skip
     axes[0][0].set_ylabel("training loss")
     axes[0][0].legend()
     axes[0][0].set_title(title)
@@ -155,12 +203,21 @@ def plot_losses(path: str | Path, results: dict[str, RunResult], *, title: str) 
                 continue
             n = min(len(result.losses), len(ran[baseline].losses))
             difference = [x - y for x, y in zip(result.losses[:n], ran[baseline].losses[:n], strict=True)]
-            axes[1][0].plot(range(1, n + 1), difference, linewidth=1.0, label=f"{name} - {baseline}")
+            axes[1][0].plot(range(1, n + 1), difference, color=colors[name], linewidth=1.0, label=f"{_legend_name(name, result)} - {baseline}")
         axes[1][0].axhline(0.0, color="gray", linewidth=0.6)
         axes[1][0].set_ylabel(f"loss - {baseline} loss")
         axes[1][0].legend()
     axes[-1][0].set_xlabel("optimizer step")
+    axes[-1][0].xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole: no 2.5
     figure.tight_layout()
+    return figure
+
+
+def plot_losses(path: str | Path, results: dict[str, RunResult], *, title: str) -> Path:
+    """Write :func:`draw_losses`'s figure to ``path`` (PNG, creating the folder)."""
+    figure = draw_losses(results, title=title)
+    import matplotlib.pyplot as plt  # after draw_losses chose the file-only backend
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=110)

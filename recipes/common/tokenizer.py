@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .errors import RecipeError
+
 __all__ = ["ByteTokenizer", "HFTokenizer", "load_tokenizer"]
 
 
@@ -42,7 +44,7 @@ class HFTokenizer:
         path = Path(path)
         if not path.is_dir():
             # Never a hub name: recipes run offline, and a typo must not start a download.
-            raise FileNotFoundError(f"tokenizer directory {str(path)!r} does not exist (recipes load local directories only)")
+            raise RecipeError(f"tokenizer directory {str(path)!r} does not exist: pass a local directory (recipes download nothing)")
         self.inner = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
         self.vocab_size = len(self.inner)
         self.eos_token_id = self.inner.eos_token_id
@@ -62,9 +64,11 @@ def load_tokenizer(*, tokenizer: str | None = None, checkpoint: str | None = Non
         return HFTokenizer(tokenizer)
     if checkpoint is not None:
         if not Path(checkpoint).is_dir():
-            raise FileNotFoundError(f"checkpoint directory {checkpoint!r} does not exist (recipes load local directories only)")
+            raise RecipeError(f"checkpoint directory {checkpoint!r} does not exist: pass a local directory (recipes download nothing)")
         try:
             return HFTokenizer(checkpoint)
-        except (OSError, ValueError) as error:
-            raise ValueError(f"no tokenizer found in checkpoint directory {checkpoint!r}: pass --tokenizer DIR ({error})") from error
+        except (OSError, ValueError, TypeError) as error:
+            # transformers' message runs over several lines; its first says what it missed.
+            first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise RecipeError(f"checkpoint directory {checkpoint!r} has no tokenizer ({first}): pass --tokenizer DIR") from error
     return ByteTokenizer()

@@ -1,0 +1,53 @@
+"""Where a run's files go: a new folder per run, never one that already holds another run's results, none left empty."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from .errors import RecipeError
+
+__all__ = ["checked_output_dir", "new_run_dir", "remove_empty_dirs"]
+
+RESULTS = "metrics.json"  # what marks a folder as holding a finished run
+
+
+def new_run_dir(recipe: str, *, root: str | Path = "runs", create: bool = True) -> Path:
+    """``runs/<recipe>/<date>_<time>``, with ``-2``, ``-3``, ... when a run started in the same second; created unless
+    ``create`` is false (a rank other than zero only needs the name)."""
+    stamp = time.strftime("%Y-%m-%d_%H-%M-%S")
+    base = Path(root) / recipe
+    for attempt in range(1, 1000):
+        path = base / (stamp if attempt == 1 else f"{stamp}-{attempt}")
+        if not create:
+            if not path.exists():
+                return path
+            continue
+        try:
+            path.mkdir(parents=True)
+        except FileExistsError:
+            continue
+        return path
+    raise RecipeError(f"{base} holds 999 runs started at {stamp}: pass --output_dir")
+
+
+def checked_output_dir(output_dir: str | Path, *, overwrite: bool) -> Path:
+    """``output_dir``, unless it holds a finished run (its ``metrics.json``) and ``overwrite`` is false."""
+    path = Path(output_dir)
+    if not overwrite and (path / RESULTS).exists():
+        raise RecipeError(f"{path} already holds a run ({RESULTS}): pass another output directory, or --overwrite_output_dir to replace it")
+    return path
+
+
+def remove_empty_dirs(path: str | Path, *, keep: str | Path) -> None:
+    """Remove the empty folders under ``path`` (deepest first), then ``path`` and its parents while they are empty, up to but
+    not including ``keep`` (a folder that existed before the run, or the one ``runs/`` sits in)."""
+    path, keep = Path(path).absolute(), Path(keep).absolute()
+    if not path.is_dir():
+        return
+    for folder in sorted((p for p in path.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True):
+        if not any(folder.iterdir()):
+            folder.rmdir()
+    while path != keep and keep in path.parents and not any(path.iterdir()):
+        path.rmdir()
+        path = path.parent
