@@ -15,6 +15,7 @@ import re
 import torch
 
 __all__ = [
+    "impl_over",
     "attn_implementation_of",
     "custom_op_body",
     "destroy_library",
@@ -82,6 +83,20 @@ def kernel_registrations(qualified_name: str, dispatch_key: str) -> list[str]:
         if match and match["key"] == dispatch_key:
             found.append(match["where"])
     return found
+
+
+def impl_over(library: torch.library.Library, name: str, kernel, dispatch_key: str) -> None:
+    """``library.impl(name, kernel, dispatch_key)`` even where another Python library (the frontend's
+    ``cudnn.torch``) already registered one: :func:`cudnn_attention.install` has decided to run over it
+    (it refuses, or warns, before calling this), and the dispatcher restores the other one on removal.
+
+    ``Library.impl(..., allow_override=True)`` where torch has it; elsewhere (seen on torch 2.11 on an
+    H200) ``torch.library._impls``, the set ``impl`` refuses to register over, loses the entry first."""
+    try:
+        library.impl(name, kernel, dispatch_key, allow_override=True)
+    except TypeError:  # no allow_override in this torch
+        torch.library._impls.discard(f"{library.ns}/{name.split('::')[-1]}/{dispatch_key}")
+        library.impl(name, kernel, dispatch_key)
 
 
 def destroy_library(library: torch.library.Library) -> None:

@@ -222,7 +222,7 @@ def _register(namespace: str, kernels: dict) -> torch.library.Library:
         # A CUDA build warns that we shadow its kernel; shadowing it is the point, and remove() restores it.
         warnings.filterwarnings("ignore", message=".*Overriding a previously registered kernel.*")
         for name, kernel in kernels.items():
-            library.impl(name, kernel, _DISPATCH_KEY)
+            _compat.impl_over(library, name, kernel, _DISPATCH_KEY)
     return library
 
 
