@@ -47,6 +47,8 @@ def bench(S, B, H, Hkv, D, backward=False):
     print(f"forward S={S} B={B} H={H}/{Hkv} D={D}: {n} plans; plan 0 is the heuristic's first choice")
     for i, (t, name) in enumerate(rows):
         print(f"  plan {i}: {name:30s} {t:.3f} ms  {flops / t / 1e9:.0f} TF/s")
+
+
 if __name__ == "__main__":
     bench(8192, 1, 32, 8, 128)
     bench(16384, 1, 32, 8, 128)
