@@ -178,12 +178,12 @@ def _length_operands(graph, seqlens_q, seqlens_kv, cu_seqlens_q, cu_seqlens_kv) 
     return lengths + [(wide[side] * token_stride).view(-1, 1, 1, 1) for side, token_stride in graph.ragged_columns]
 
 
-def _valid_rows(seqlens_q, s_q: int) -> torch.Tensor:
-    """(B, 1, S_q, 1) bool: query rows inside their sequence. cuDNN 9.19 writes rows of a sequence
-    whose query length is 0 when S_q is small (seen at S_q = 1), and leaves other padded rows
-    unwritten, so padded outputs, incoming gradients and dQ are masked with it rather than trusted
-    to the kernel (``masked_fill``, not a product: unwritten memory may hold NaN)."""
-    return (torch.arange(s_q, device=seqlens_q.device) < seqlens_q.view(-1, 1)).view(-1, 1, s_q, 1)
+def _padding_rows(seqlens_q, s_q: int) -> torch.Tensor:
+    """(B, 1, S_q, 1) bool: query rows past their sequence's length. cuDNN 9.19 writes rows of a
+    sequence whose query length is 0 when S_q is small (seen at S_q = 1), and leaves other padded
+    rows unwritten, so padded outputs, incoming gradients and dQ are masked with it rather than
+    trusted to the kernel (``masked_fill``, not a product: unwritten memory may hold NaN)."""
+    return (torch.arange(s_q, device=seqlens_q.device) >= seqlens_q.view(-1, 1)).view(-1, 1, s_q, 1)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -206,7 +206,7 @@ def _run_forward(plan: Plan, q, k, v, sinks, seqlens_q, seqlens_kv, cu_seqlens_q
     execute(graph, operands, q.device.index)
     absent = None
     if padded:
-        invalid_B1S1 = ~_valid_rows(seqlens_q, q.shape[2])
+        invalid_B1S1 = _padding_rows(seqlens_q, q.shape[2])
         out.masked_fill_(invalid_B1S1, 0)
         absent = invalid_B1S1[..., 0]
         if lse is not None and not plan.folds_sinks:
@@ -223,7 +223,7 @@ def _run_forward(plan: Plan, q, k, v, sinks, seqlens_q, seqlens_kv, cu_seqlens_q
 
 def _run_backward(graph, grad_out, q, k, v, out, lse, sinks, seqlens_q, seqlens_kv, cu_seqlens_q, cu_seqlens_kv):
     q, k, v, out = _aligned(q, "q"), _aligned(k, "k"), _aligned(v, "v"), _aligned(out, "out")
-    invalid_B1S1 = None if seqlens_q is None else ~_valid_rows(seqlens_q, q.shape[2])
+    invalid_B1S1 = None if seqlens_q is None else _padding_rows(seqlens_q, q.shape[2])
     if invalid_B1S1 is not None:
         grad_out = grad_out.masked_fill(invalid_B1S1, 0)  # padded rows' outputs are constant zero: no gradient flows from them
     if grad_out.stride() != out.stride() or grad_out.dtype != out.dtype or grad_out.data_ptr() % 16:
@@ -243,7 +243,7 @@ def _run_backward(graph, grad_out, q, k, v, out, lse, sinks, seqlens_q, seqlens_
     return dq, dk, dv, dsinks
 
 
-def _op_call(q, k, v, sinks, seqlens_q, cu_seqlens_q, max_seqlen_q, max_seqlen_kv, scale, window_left, window_right, bottom_right,
+def _op_call(sinks, seqlens_q, cu_seqlens_q, max_seqlen_q, max_seqlen_kv, scale, window_left, window_right, bottom_right,
              need_lse, needs_grad) -> AttentionCall:  # fmt: skip
     """The call value, rebuilt from the ops' flat schema (ops take no Python objects)."""
     packed = cu_seqlens_q is not None
@@ -256,7 +256,7 @@ def _op_call(q, k, v, sinks, seqlens_q, cu_seqlens_q, max_seqlen_q, max_seqlen_k
 def _forward_cuda(q, k, v, sinks, seqlens_q, seqlens_kv, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, scale, window_left,
                   window_right, bottom_right, need_lse):  # fmt: skip
     q, k, v = _aligned(q, "q"), _aligned(k, "k"), _aligned(v, "v")
-    call = _op_call(q, k, v, sinks, seqlens_q, cu_seqlens_q, max_seqlen_q, max_seqlen_kv, scale, window_left, window_right, bottom_right,
+    call = _op_call(sinks, seqlens_q, cu_seqlens_q, max_seqlen_q, max_seqlen_kv, scale, window_left, window_right, bottom_right,
                     need_lse, False)  # fmt: skip
     out, lse = _run_forward(_plan(q, k, v, call, False), q, k, v, sinks, seqlens_q, seqlens_kv, cu_seqlens_q, cu_seqlens_kv, need_lse)
     return out, lse if lse is not None else _no_lse(q)
@@ -269,7 +269,7 @@ def _no_lse(q):
 
 def _backward_cuda(grad_out, q, k, v, out, lse, sinks, seqlens_q, seqlens_kv, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv,
                    scale, window_left, window_right, bottom_right, deterministic):  # fmt: skip
-    call = _op_call(q, k, v, sinks, seqlens_q, cu_seqlens_q, max_seqlen_q, max_seqlen_kv, scale, window_left, window_right, bottom_right,
+    call = _op_call(sinks, seqlens_q, cu_seqlens_q, max_seqlen_q, max_seqlen_kv, scale, window_left, window_right, bottom_right,
                     True, True)  # fmt: skip
     graph = _graph_for("backward", q, k, v, call, deterministic)
     return _run_backward(graph, grad_out, q, k, v, out, lse, sinks, seqlens_q, seqlens_kv, cu_seqlens_q, cu_seqlens_kv)
