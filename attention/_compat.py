@@ -15,6 +15,7 @@ import re
 import torch
 
 __all__ = [
+    "assert_on_device",
     "impl_over",
     "attn_implementation_of",
     "custom_op_body",
@@ -26,6 +27,7 @@ __all__ = [
     "plain_dispatch",
     "sdp_priority_order",
     "set_sdp_priority_order",
+    "tensor_version",
     "unregister_interface_entry",
 ]
 
@@ -48,6 +50,19 @@ def plain_dispatch() -> bool:
 
 
 # The dispatcher, as the provider sees it: op schemas, who registered which kernel, SDP backend order.
+
+
+def assert_on_device(condition: torch.Tensor, message: str) -> None:
+    """Queue a device-side assertion of a one-element bool tensor (``torch._assert_async``, 2.9-2.15):
+    no host read; a false value stops the process at the next synchronization, before later kernels
+    run. No public equivalent."""
+    torch._assert_async(condition, message)
+
+
+def tensor_version(t: torch.Tensor) -> int | None:
+    """``t._version``, the counter every in-place write bumps (torch 2.9-2.15; autograd's saved-tensor
+    check reads it), or None for an inference tensor, which tracks none (reading it raises)."""
+    return None if t.is_inference() else t._version
 
 
 def op_schema(packet) -> torch.FunctionSchema:

@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import _compat
+from . import _compat, tensor_memo
 from .call import AttentionCall
 from .cudnn_graphs import CompiledGraph, GraphRejected, GraphSpec, execute, frontend_unavailable_reason, graph_for_call
 from .fused_sinks import fold_sinks, sink_gradient
@@ -161,11 +161,32 @@ def _aligned(t: torch.Tensor, name: str) -> torch.Tensor:
 
 
 def _length_operands(graph, seqlens_q, seqlens_kv, cu_seqlens_q, cu_seqlens_kv) -> list:
-    """Per-batch lengths and ragged offsets, computed on the device (no host reads)."""
+    """Per-batch lengths and ragged offsets, computed on the device (no host reads). Packed: about
+    ten small kernels, so they are kept on ``cu_seqlens_q`` (see :mod:`~cudnn_attention.tensor_memo`):
+    every layer of a forward and every backward of the same batch reuses them."""
     if cu_seqlens_q is None:
         if seqlens_q is None:
             return []
         return [_aligned(seqlens_q, "seqlens_q").view(-1, 1, 1, 1), _aligned(seqlens_kv, "seqlens_kv").view(-1, 1, 1, 1)]
+    return _memoized(cu_seqlens_q, cu_seqlens_kv, ("ragged operands", graph.batch, graph.ragged_columns),
+                     lambda: _ragged_operands(graph, cu_seqlens_q, cu_seqlens_kv))  # fmt: skip
+
+
+def _memoized(cu_seqlens_q, cu_seqlens_kv, key: tuple, compute):
+    """``compute()``, kept on the prefix sums for this stream; not while capturing a CUDA graph,
+    whose kernels must read tensors from its own memory pool."""
+    if cu_seqlens_q.is_cuda:
+        if torch.cuda.is_current_stream_capturing():
+            return compute()
+        key += (_compat.current_raw_stream(cu_seqlens_q.get_device()),)
+    value = tensor_memo.recall(cu_seqlens_q, key, cu_seqlens_kv)
+    if value is None:
+        value = compute()
+        tensor_memo.remember(cu_seqlens_q, key, value, cu_seqlens_kv)
+    return value
+
+
+def _ragged_operands(graph, cu_seqlens_q, cu_seqlens_kv) -> list:
     extra = graph.batch + 1 - cu_seqlens_q.numel()
     if extra:
         # Bucketed document count: trailing empty documents (zero length, offsets at the end).
@@ -213,7 +234,8 @@ def _run_forward(plan: Plan, q, k, v, sinks, seqlens_q, seqlens_kv, cu_seqlens_q
             lse.masked_fill_(absent, float("-inf"))
     if plan.folds_sinks:
         if cu_seqlens_q is not None:
-            absent = _packed_absent_rows(cu_seqlens_q, cu_seqlens_kv, q.shape[0])
+            tokens = q.shape[0]
+            absent = _memoized(cu_seqlens_q, cu_seqlens_kv, ("absent rows", tokens), lambda: _packed_absent_rows(cu_seqlens_q, cu_seqlens_kv, tokens))
         fold_sinks(out, lse, sinks, absent)
         if not need_lse:
             lse = None

@@ -11,6 +11,8 @@ import math
 
 import torch
 
+from . import _compat, tensor_memo
+
 __all__ = [
     "check_cu_seqlens",
     "check_prefix_sums",
@@ -189,8 +191,8 @@ def check_prefix_sums(
         return
     if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
         return
-    key = (total_q, total_kv, max_seqlen_q, max_seqlen_kv, cover_all, id(cu_seqlens_kv), cu_seqlens_kv._version)
-    if _already_checked(cu_seqlens_q, key):
+    key = ("prefix sums checked", total_q, total_kv, max_seqlen_q, max_seqlen_kv, cover_all)
+    if tensor_memo.recall(cu_seqlens_q, key, cu_seqlens_kv):
         return
     ok = None
     for cu, total, max_seqlen in ((cu_seqlens_q, total_q, max_seqlen_q), (cu_seqlens_kv, total_kv, max_seqlen_kv)):
@@ -198,25 +200,13 @@ def check_prefix_sums(
         ends_ok = (cu[-1] == total) if cover_all else (cu[-1] <= total)
         side_ok = (cu[0] == 0) & (lengths.min() >= 0) & ends_ok & (lengths.max() <= max_seqlen)
         ok = side_ok if ok is None else ok & side_ok
-    torch._assert_async(ok, f"cudnn_attention: invalid {names[0]}/{names[1]}: they must start at 0, never decrease, end "
+    _compat.assert_on_device(ok, f"cudnn_attention: invalid {names[0]}/{names[1]}: they must start at 0, never decrease, end "
                             f"{'at' if cover_all else 'within'} the token count, and hold no document longer than {names[2]}/{names[3]}")  # fmt: skip
-    _remember_checked(cu_seqlens_q, key)
-
-
-def _already_checked(cu_seqlens_q, key: tuple) -> bool:
-    checked = getattr(cu_seqlens_q, "_cudnn_attention_checked", None)
-    return checked is not None and checked.get(key) == cu_seqlens_q._version
-
-
-def _remember_checked(cu_seqlens_q, key: tuple) -> None:
-    """Keep every check queued for this tensor version: the transformers layer's ``cover_all`` check and the
-    core's that follows it in every layer would otherwise evict each other and run in every layer. A
-    ``cover_all`` check also implies the plain one with the same bounds."""
-    checked = getattr(cu_seqlens_q, "_cudnn_attention_checked", None) or {}
-    checked[key] = cu_seqlens_q._version
-    if key[4]:
-        checked[key[:4] + (False,) + key[5:]] = cu_seqlens_q._version
-    cu_seqlens_q._cudnn_attention_checked = checked
+    # Kept for this tensor version: the transformers layer's cover_all check and the core's that follows it in every
+    # layer must not run again each layer; a cover_all check also implies the plain one with the same bounds.
+    tensor_memo.remember(cu_seqlens_q, key, True, cu_seqlens_kv)
+    if cover_all:
+        tensor_memo.remember(cu_seqlens_q, key[:5] + (False,), True, cu_seqlens_kv)
 
 
 def validate_cu_seqlens(cu_seqlens, name: str, total: int, max_seqlen: int, *, max_name: str = "max_seqlen", cover_all: bool = False) -> None:

@@ -183,6 +183,21 @@ def test_packed_documents_do_not_leak():
         assert torch.equal(g1[doc_b], g2[doc_b]), f"d{name} of document B changed when only document A did"
 
 
+@pytest.mark.parametrize("sink_forward", ["engine", "fold"])
+def test_prefix_sums_rewritten_in_place_are_read_anew(monkeypatch, sink_forward):
+    # Lengths and offsets derived from cu_seqlens are kept on the tensor for every layer and backward of a batch
+    # (tensor_memo); a loader that writes the next batch into the same buffers must not get the old documents.
+    from cudnn_attention import cudnn_ops
+
+    monkeypatch.setattr(cudnn_ops, "SINK_FORWARD", sink_forward)
+    q, k, v, sinks, cu_q, cu_kv, _, _ = _packed_case(ODD_LENGTHS, sinks=True, tail=4)
+    _check_packed(dict(causal=True, window_size=(40, 0)), q, k, v, sinks, cu_q, cu_kv, 300, 300)
+    cu_q.copy_(torch.tensor([0, 100, 300, 350, 380, 508], dtype=cu_q.dtype))  # same buffers and graphs, other documents
+    cu_kv.copy_(torch.tensor([0, 100, 100, 350, 380, 508], dtype=cu_kv.dtype))  # document 1 has queries but no key
+    out, _ = _check_packed(dict(causal=True, window_size=(40, 0)), q, k, v, sinks, cu_q, cu_kv, 300, 300)
+    assert out[100:300].abs().max() == 0 and out[508:].abs().max() == 0
+
+
 def _warm_and_run(fn):
     fn()  # builds graphs (a one-time host cost that may synchronize)
     torch.cuda.synchronize()

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from ... import validation
+from ... import tensor_memo, validation
 from ...api import _needs_grad, attention, varlen_attention
 from ...policy import fallback_output, note_fallback
 from .eager_fallback import eager_equivalent, keep_mask_4d
@@ -156,15 +156,15 @@ def _may_have_gap(mask_BW) -> bool:
     shares it) and kept on the tensor; while tracing nothing can be read, and the exact path is taken."""
     if is_tracing():
         return True
-    cached = getattr(mask_BW, "_cudnn_attention_gap", None)
-    if cached is not None and cached[0] == mask_BW._version:
-        return cached[1]
+    cached = tensor_memo.recall(mask_BW, "has a gap")
+    if cached is not None:
+        return cached
     keep_BW = mask_BW.bool()
     count_B = keep_BW.sum(dim=-1)
     first_B = keep_BW.to(torch.int8).argmax(dim=-1)
     last_B = keep_BW.shape[-1] - 1 - keep_BW.flip(-1).to(torch.int8).argmax(dim=-1)
     gap = bool(((count_B > 0) & (last_B - first_B + 1 != count_B)).any())
-    mask_BW._cudnn_attention_gap = (mask_BW._version, gap)
+    tensor_memo.remember(mask_BW, "has a gap", gap)
     return gap
 
 
@@ -245,9 +245,9 @@ def _packing_from_position_ids(position_ids, batch: int, q_len: int, kv_len: int
     """
     if position_ids is None or batch != 1 or q_len != kv_len or q_len < 2:
         return None
-    cached = getattr(position_ids, "_cudnn_attention_packing", None)
-    if cached is not None and cached[0] == position_ids._version:
-        return cached[1]
+    cached = tensor_memo.recall(position_ids, "packing")
+    if cached is not None:
+        return cached[0]
     position_T = position_ids.reshape(-1)
     starts_T = torch.ones_like(position_T, dtype=torch.bool)
     starts_T[1:] = position_T[1:] != position_T[:-1] + 1
@@ -257,7 +257,7 @@ def _packing_from_position_ids(position_ids, batch: int, q_len: int, kv_len: int
         cu = torch.tensor(bounds, dtype=torch.int32, device=position_ids.device)
         longest = max(end - start for start, end in zip(bounds, bounds[1:]))
         packing = ((cu, cu), (longest, longest))
-    position_ids._cudnn_attention_packing = (position_ids._version, packing)
+    tensor_memo.remember(position_ids, "packing", (packing,))  # wrapped: None (no packing) is an answer too
     return packing
 
 
