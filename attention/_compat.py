@@ -62,7 +62,10 @@ def assert_on_device(condition: torch.Tensor, message: str) -> None:
 def tensor_version(t: torch.Tensor) -> int | None:
     """``t._version``, the counter every in-place write bumps (torch 2.9-2.15; autograd's saved-tensor
     check reads it), or None for an inference tensor, which tracks none (reading it raises)."""
-    return None if t.is_inference() else t._version
+    try:  # cheaper than asking t.is_inference() first on every call
+        return t._version
+    except RuntimeError:
+        return None
 
 
 def op_schema(packet) -> torch.FunctionSchema:
