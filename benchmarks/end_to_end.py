@@ -265,7 +265,12 @@ def run_one(model, initial: dict, setup: Setup, impl: str, packing: str, batches
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         timed = batches[warmup:-1]
+        builds_before = cudnn_attention.stats()["graph_builds"]
         seconds = timed_seconds(step, timed, device)
+        builds_after = cudnn_attention.stats()["graph_builds"]
+        built = builds_after["forward"] + builds_after["backward"] - builds_before["forward"] - builds_before["backward"]
+        if built:  # a batch with document counts or lengths the warm-up did not see: its graphs' build time is in the step time
+            notes.append(f"{built} cuDNN graphs built during the timed steps ({builds_after['seconds'] - builds_before['seconds']:.2f} s)")
         row |= {"tokens_per_s": setup.tokens * len(timed) / seconds, "step_ms": 1000 * seconds / len(timed),
                 "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None}  # fmt: skip
         # Profiled after the timing: since torch 2.7 (pytorch#146604) CUPTI is torn down when a profile ends, so the

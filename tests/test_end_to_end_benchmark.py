@@ -104,3 +104,25 @@ def test_gpt_oss_document_masks_keep_documents_apart():
             input_ids=batch["input_ids"], position_ids=positions, attention_mask=end_to_end.document_masks(model, positions)
         ).logits
     torch.testing.assert_close(packed, alone, rtol=1e-5, atol=1e-5)
+
+
+def test_graphs_built_during_the_timed_steps_are_noted(monkeypatch):
+    # A timed batch with a document count or length the warm-up did not see builds graphs inside the timing; the row says so.
+    from cudnn_attention import policy
+
+    setup = end_to_end.quick(end_to_end.SETUPS["llama"])
+    model = end_to_end.build_model(setup, "cpu")
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    batches = end_to_end.make_batches(setup, 4, "cpu")
+    step = end_to_end.train_step
+    calls = []
+
+    def step_that_builds(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:  # the second timed step (one warm-up step first)
+            policy.note_graph_build("backward", 0.25)
+        return step(*args, **kwargs)
+
+    monkeypatch.setattr(end_to_end, "train_step", step_that_builds)
+    row = end_to_end.run_one(model, initial, setup, "cudnn", "position_ids", batches, warmup=1, profile=False, device="cpu")
+    assert "1 cuDNN graphs built during the timed steps (0.25 s)" in row["note"], row["note"]
