@@ -202,11 +202,16 @@ def check_prefix_sums(
         ok = side_ok if ok is None else ok & side_ok
     _compat.assert_on_device(ok, f"cudnn_attention: invalid {names[0]}/{names[1]}: they must start at 0, never decrease, end "
                             f"{'at' if cover_all else 'within'} the token count, and hold no document longer than {names[2]}/{names[3]}")  # fmt: skip
-    # Kept for this tensor version: the transformers layer's cover_all check and the core's that follows it in every
-    # layer must not run again each layer; a cover_all check also implies the plain one with the same bounds.
+    _remember_checked(cu_seqlens_q, cu_seqlens_kv, key)
+
+
+def _remember_checked(cu_seqlens_q, cu_seqlens_kv, key: tuple) -> None:
+    """Keep the check queued for this tensor version: the transformers layer's ``cover_all`` check and the core's
+    that follows it in every layer must not run again each layer. A ``cover_all`` check also implies the plain
+    one with the same bounds."""
     tensor_memo.remember(cu_seqlens_q, key, True, cu_seqlens_kv)
-    if cover_all:
-        tensor_memo.remember(cu_seqlens_q, key[:5] + (False,), True, cu_seqlens_kv)
+    if key[-1]:
+        tensor_memo.remember(cu_seqlens_q, key[:-1] + (False,), True, cu_seqlens_kv)
 
 
 def validate_cu_seqlens(cu_seqlens, name: str, total: int, max_seqlen: int, *, max_name: str = "max_seqlen", cover_all: bool = False) -> None:
