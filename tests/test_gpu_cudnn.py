@@ -326,6 +326,45 @@ def test_configuration_cudnn_rejects_falls_back_exactly():
     assert next(iter(cudnn_attention.stats()["fallback_forward"].values())) == 2  # the verdict is cached, counted per call
 
 
+def test_graph_builds_and_rejections_free_the_callers_tensors_without_the_gc():
+    """A long-context fine-tuning step once kept its activations for two more steps (+4.5 GiB peak):
+    frontend 1.32's plan creation leaves a frame cycle, which held every calling frame until the
+    cyclic GC's next full pass. The shapes are that step's (one packed row, 9 documents, the longest
+    16,384 tokens); the rejected configuration is the one above, its cached verdict raised twice."""
+    import gc
+    import weakref
+
+    from cudnn_attention import cudnn_graphs
+
+    def packed_step():
+        torch.manual_seed(0)
+        lengths = torch.tensor([16384, 4096, 4096, 4096, 4096, 4096, 4096, 4096, 4096])
+        cu = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(DEVICE, torch.int32)
+        activation = torch.empty(2**28, device=DEVICE)  # 1 GiB standing for a forward's activations
+        q = torch.randn(int(lengths.sum()), 16, 128, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+        k, v = (torch.randn(int(lengths.sum()), 4, 128, device=DEVICE, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+        cudnn_attention.varlen_attention(q, k, v, cu, cu, 16384, 16384, causal=True).sum().backward()
+        return weakref.ref(activation)
+
+    def rejected_call():
+        activation = torch.empty(2**28, device=DEVICE)
+        q = torch.randn(1, 4, 40, 64, device=DEVICE, dtype=torch.bfloat16)
+        k = torch.randn(1, 4, 24, 64, device=DEVICE, dtype=torch.bfloat16)
+        cudnn_attention.attention(q, k, k, causal=True, bottom_right=True)
+        return weakref.ref(activation)
+
+    cudnn_graphs.clear_cache()
+    gc.collect()
+    gc.disable()
+    try:
+        for call in (packed_step, rejected_call, rejected_call):
+            activation = call()
+            assert activation() is None, f"{call.__name__}: a frame of the call is still alive (a reference cycle or a kept traceback)"
+        assert sum(cudnn_attention.stats()["fallback_forward"].values()) == 2  # the configuration was rejected, twice
+    finally:
+        gc.enable()
+
+
 def test_fast_execute_matches_public_execute(monkeypatch):
     from cudnn_attention import cudnn_graphs
 

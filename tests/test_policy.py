@@ -84,6 +84,53 @@ def test_strict_global_and_env(monkeypatch):
     assert not cudnn_attention.is_strict()
 
 
+def test_a_graph_build_or_rejection_does_not_pin_the_callers_tensors(monkeypatch):
+    """Frontend 1.32 keeps a caught heuristics error in a local while it creates plans (frame ->
+    error -> traceback -> frame). Built on the caller's stack, that cycle held every calling frame
+    (a model forward's activations) until the cyclic GC's next full pass. And a cached rejection,
+    raised as is, kept the frames of every call that raised it on its traceback."""
+    import contextlib
+    import gc
+    import types
+    import weakref
+
+    from cudnn_attention import cudnn_graphs
+
+    def pygraph(**_):  # the frontend's pattern: a caught error kept in a local of a live frame
+        try:
+            raise RuntimeError("no valid engine configs for this mode")
+        except RuntimeError as exc:
+            failure = exc
+        raise ValueError("cuDNN rejects this graph") from failure
+
+    frontend = types.SimpleNamespace(data_type=types.SimpleNamespace(HALF=0, BFLOAT16=1, FLOAT=2), pygraph=pygraph)
+    monkeypatch.setattr(cudnn_graphs, "_load_frontend", lambda: frontend)
+    monkeypatch.setattr(cudnn_graphs, "_bound_handle", lambda device_index: None)
+    monkeypatch.setattr(torch.cuda, "device", lambda index: contextlib.nullcontext())
+    spec = cudnn_graphs.GraphSpec(direction="forward", device_index=0, dtype=torch.bfloat16, batch=1, heads_q=2, heads_kv=2, seq_q=64,
+                                  seq_kv=64, dim_qk=64, dim_v=64, q_strides=(1,) * 4, k_strides=(1,) * 4, v_strides=(1,) * 4,
+                                  o_strides=(1,) * 4, grad_strides=(), scale=0.125, left=-1, right=0, bottom_right=False, sinks=False,
+                                  padded=False, packed=False, need_lse=False, total_q=0, total_kv=0, deterministic=False)  # fmt: skip
+
+    def forward_that_builds():
+        activation = torch.ones(1024)  # stands for a forward's activations, alive in a calling frame
+        with pytest.raises(cudnn_graphs.GraphRejected, match="rejects this graph"):
+            cudnn_graphs.get_graph(spec)
+        return weakref.ref(activation)
+
+    cudnn_graphs.clear_cache()
+    gc.collect()
+    gc.disable()
+    try:
+        activation = forward_that_builds()
+        assert activation() is None, "the build's frame cycle keeps the calling frames' tensors alive"
+        activation = forward_that_builds()  # the cached rejection, raised again
+        assert activation() is None, "the cached rejection's traceback keeps the calling frames' tensors alive"
+    finally:
+        gc.enable()
+        cudnn_graphs.clear_cache()
+
+
 def test_graph_builds_and_rejections_are_counted_with_their_time(monkeypatch):
     from cudnn_attention import cudnn_graphs
 
