@@ -248,7 +248,8 @@ def _build(spec: GraphSpec) -> CompiledGraph:
 
 
 def _on_a_fresh_stack(fn, *args):
-    """``fn(*args)`` on a short-lived thread while this one waits; its result, or its exception raised here.
+    """``fn(*args)`` on a short-lived thread while this one waits: its result, or its error's message
+    raised here as a fresh ``RuntimeError``.
 
     A frame left in a reference cycle keeps every frame that called it alive, through ``f_back``,
     until the cyclic GC's next full pass. Frontend 1.32's plan creation leaves one (its
@@ -256,14 +257,16 @@ def _on_a_fresh_stack(fn, *args):
     traceback -> frame), so a graph built inside a model's forward pinned that forward's
     activations: +4.5 GiB peak over two steps of a 36 GiB long-context fine-tuning step on an
     H200. A thread's stack starts at the thread, so the cycle reaches only the build's own frames.
+    The error itself may sit in that cycle (the frontend raises the one it kept when every mode
+    fails), so it stays there: raising it here would add this stack to its traceback.
     """
     outcome = []
 
     def run():
         try:
             outcome.append((True, fn(*args)))
-        except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread as is
-            outcome.append((False, exc))
+        except BaseException as exc:  # noqa: BLE001 - every error goes to the waiting thread
+            outcome.append((False, RuntimeError(str(exc) or type(exc).__name__)))
 
     worker = threading.Thread(target=run, name="cudnn-attention-graph-build", daemon=True)
     worker.start()

@@ -96,12 +96,14 @@ def test_a_graph_build_or_rejection_does_not_pin_the_callers_tensors(monkeypatch
 
     from cudnn_attention import cudnn_graphs
 
-    def pygraph(**_):  # the frontend's pattern: a caught error kept in a local of a live frame
-        try:
-            raise RuntimeError("no valid engine configs for this mode")
-        except RuntimeError as exc:
-            failure = exc
-        raise ValueError("cuDNN rejects this graph") from failure
+    def pygraph(**_):  # the frontend's pattern: the last mode's error kept in a local, and raised when every mode failed
+        failure = None
+        for mode in ("A", "FALLBACK"):
+            try:
+                raise RuntimeError(f"cuDNN rejects this graph: no valid engine configs for mode {mode}")
+            except RuntimeError as exc:
+                failure = exc
+        raise failure
 
     frontend = types.SimpleNamespace(data_type=types.SimpleNamespace(HALF=0, BFLOAT16=1, FLOAT=2), pygraph=pygraph)
     monkeypatch.setattr(cudnn_graphs, "_load_frontend", lambda: frontend)
