@@ -72,8 +72,6 @@ def _draw_family(seed: int, family: int, profile: str) -> dict:
         h_kv = r.choice(p["kv_heads"])
         while h_kv * ratio > p["max_heads"]:
             h_kv = max(1, h_kv // 2)
-            if h_kv == 1 and ratio > p["max_heads"]:
-                ratio = p["max_heads"]
         h_q = h_kv * ratio
     d = r.choice(p["head_dims"])
     d_v = d if r.random() < 0.8 else r.choice(p["head_dims"])

@@ -15,6 +15,10 @@ from cudnn_attention import _compat, sdpa_overrides
 from cudnn_attention.masking import MaskSpec
 from cudnn_attention.reference import dense_reference, varlen_reference
 
+# The CUDA kernels the provider overrides.
+DENSE_OPS = ("aten::_scaled_dot_product_cudnn_attention", "aten::_scaled_dot_product_cudnn_attention_backward")
+VARLEN_OPS = ("torch_attn::_varlen_attn", "torch_attn::_varlen_attn_out", "torch_attn::_varlen_attn_backward")
+
 
 def in_fresh_thread(fn):
     # Kernels run below autograd (its dispatch keys are excluded in this thread's TLS); a new

@@ -11,7 +11,7 @@ from collections import Counter
 
 import pytest
 
-from fuzz_cases import draw_case, run_case, summarize
+from fuzz_cases import DENSE_LAYOUTS, PACKED_LAYOUTS, case_label, draw_case, run_case, summarize
 from test_gpu_fuzz import run_fuzz
 
 SEED = int(os.environ.get("CUDNN_ATTENTION_FUZZ_SEED", "") or 7)
@@ -31,9 +31,8 @@ def test_cpu_fuzz_case(index):
 
 def test_generator_covers_every_layout_and_option():
     cases = [draw_case(20250611, i, "gpu") for i in range(2000)]
-    labels = Counter(f"{c['kind']}/{c['layout']}" for c in cases)
-    for kind, layouts in (("dense", ("bhsd", "bshd", "qkv_interleaved", "mixed")), ("padded", ("bhsd", "bshd", "qkv_interleaved", "mixed")),
-                          ("packed", ("thd", "head_major", "qkv_interleaved", "mixed"))):  # fmt: skip
+    labels = Counter(case_label(c) for c in cases)
+    for kind, layouts in (("dense", DENSE_LAYOUTS), ("padded", DENSE_LAYOUTS), ("packed", PACKED_LAYOUTS)):
         for layout in layouts:
             assert labels[f"{kind}/{layout}"] >= 20, labels
     assert {c["h_q"] // c["h_kv"] for c in cases} >= {1, 2, 4, 8, 16}

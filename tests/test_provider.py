@@ -20,10 +20,7 @@ import torch.nn.functional as F
 
 import cudnn_attention
 from cudnn_attention import _compat, provider, sdpa_overrides
-from provider_cpu import in_fresh_thread, our_ops_on_cpu
-
-DENSE_OPS = ("aten::_scaled_dot_product_cudnn_attention", "aten::_scaled_dot_product_cudnn_attention_backward")
-VARLEN_OPS = ("torch_attn::_varlen_attn", "torch_attn::_varlen_attn_out", "torch_attn::_varlen_attn_backward")
+from provider_cpu import DENSE_OPS, VARLEN_OPS, in_fresh_thread, our_ops_on_cpu
 
 
 def _ours_registered(op: str) -> bool:

@@ -16,8 +16,8 @@ import torch
 import cudnn_attention
 from cudnn_attention import _compat, provider
 
-DENSE_OPS = ("aten::_scaled_dot_product_cudnn_attention", "aten::_scaled_dot_product_cudnn_attention_backward")
-VARLEN_OPS = ("torch_attn::_varlen_attn", "torch_attn::_varlen_attn_out", "torch_attn::_varlen_attn_backward")
+from provider_cpu import DENSE_OPS, VARLEN_OPS
+
 ALL_OPS = DENSE_OPS + VARLEN_OPS
 
 

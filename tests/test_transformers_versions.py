@@ -4,19 +4,14 @@ CI runs the whole CPU suite on the floor and on the newest release (.ci/run); th
 calls that differ between them.
 """
 
-import sys
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
 
-RECIPES = Path(__file__).resolve().parents[1] / "recipes"
-sys.path.insert(0, str(RECIPES))  # as tests/test_recipes.py imports the recipes' shared pieces
-
-from common import ByteTokenizer, build_model, model_shape  # noqa: E402
+from cudnn_attention.recipes.common import ByteTokenizer, build_model, model_shape  # noqa: E402
 
 
 def test_gpt_oss_packing_masks_build_without_a_deprecation_warning():
