@@ -300,9 +300,10 @@ def run_one(model, initial: dict, setup: Setup, impl: str, packing: str, batches
 
 def add_ratios(rows: list[dict]) -> None:
     """tokens/s and peak memory against flex_attention and sdpa of the same run, same packing where measured."""
+    refs_by_key = {key: {r["packing"]: r for r in rows if r["implementation"] == name and r.get("tokens_per_s")}
+                   for name, key in (("flex_attention", "flex"), ("sdpa", "sdpa"))}  # fmt: skip
     for row in rows:
-        for ref_name, key in (("flex_attention", "flex"), ("sdpa", "sdpa")):
-            refs = {r["packing"]: r for r in rows if r["implementation"] == ref_name and r.get("tokens_per_s")}
+        for key, refs in refs_by_key.items():
             ref = refs.get(row["packing"]) or refs.get("position_ids")
             if ref and row.get("tokens_per_s"):
                 row[f"vs_{key}_tokens"] = row["tokens_per_s"] / ref["tokens_per_s"]
@@ -406,12 +407,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
         # The next configuration compiles flex_attention afresh in its own warm-up, rather than recompiling
         # against the recompile limit what earlier shapes left behind.
         torch.compiler.reset()
-    table = markdown(rows, [*environment(args, device), "", *(f"- {describe(setup)}" for setup in setups.values())])
+    header = environment(args, device)
+    table = markdown(rows, [*header, "", *(f"- {describe(setup)}" for setup in setups.values())])
     print(table)
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         (out / "end_to_end.md").write_text(table + "\n")
-        payload = {"environment": environment(args, device), "rule": RULE, "setups": {n: dataclasses.asdict(s) for n, s in setups.items()},
+        payload = {"environment": header, "rule": RULE, "setups": {n: dataclasses.asdict(s) for n, s in setups.items()},
                    "quick": args.quick, "rows": rows}  # fmt: skip
         (out / "end_to_end.json").write_text(json.dumps(payload, indent=1, default=str))
     return rows

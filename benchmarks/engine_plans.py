@@ -13,9 +13,10 @@ if not torch.cuda.is_available():
     raise SystemExit("benchmarks/engine_plans.py times cuDNN plans and needs a CUDA GPU; none is visible here.")
 
 import cudnn  # noqa: E402
+from attention_kernels import cuda_time_ms  # noqa: E402  (this folder is on sys.path when the script runs)
 
 
-def bench(S, B, H, Hkv, D, backward=False):
+def bench(S, B, H, Hkv, D):
     handle = cudnn.create_handle()
     g = cudnn.pygraph(handle=handle, io_data_type=cudnn.data_type.BFLOAT16, intermediate_data_type=cudnn.data_type.FLOAT, compute_data_type=cudnn.data_type.FLOAT)
     q = torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
@@ -36,11 +37,7 @@ def bench(S, B, H, Hkv, D, backward=False):
     rows = []
     for i in range(n):
         try:
-            for _ in range(3): g.execute_plan_at_index(pack, ws, i, handle=handle)
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            for _ in range(10): g.execute_plan_at_index(pack, ws, i, handle=handle)
-            e1.record(); e1.synchronize(); t = e0.elapsed_time(e1) / 10
+            t = cuda_time_ms(lambda: g.execute_plan_at_index(pack, ws, i, handle=handle), warmup=3, samples=1, calls_per_sample=10)
             rows.append((t, g.get_plan_name_at_index(i)))
         except Exception as exc:
             rows.append((float("inf"), f"{g.get_plan_name_at_index(i)} failed: {str(exc)[:60]}"))
