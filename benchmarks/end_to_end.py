@@ -12,7 +12,8 @@ documents flattened into one row by transformers' ``DataCollatorWithFlattening``
 as ``position_ids`` alone or with the flash kwargs (``cu_seq_lens_q/k``, ``max_length_q/k``) as well. ``--warmup``
 steps run first and are not timed (they hold flex_attention's compile), then ``--steps`` steps are timed
 together with CUDA events, then one more step runs under torch.profiler for the time shares and the top kernels.
-On gpt-oss, eager and flex_attention get document masks built from position_ids (``document_masks``). A row that
+On gpt-oss, eager and flex_attention get document masks built from position_ids (the recipes' ``packing_safe_masks``
+hook, inside the timed step). A row that
 runs out of memory (eager at these lengths) says so, and its memory is freed before the next row. Writes
 ``end_to_end.md`` and ``end_to_end.json`` to ``--out`` (a ``--quick`` run writes only when given ``--out``).
 """
@@ -35,6 +36,9 @@ import torch
 from torch.autograd import DeviceType
 
 import cudnn_attention
+from cudnn_attention.recipes.common.compare import skip_reason
+from cudnn_attention.recipes.common.config import ModelShape
+from cudnn_attention.recipes.common.model import build_model as build_recipe_model
 
 IMPLEMENTATIONS = ("cudnn", "flex_attention", "sdpa", "eager")
 FLASH_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
@@ -90,25 +94,14 @@ def quick(setup: Setup) -> Setup:
 
 
 def build_model(setup: Setup, device: str):
-    """A random-initialized causal LM in bf16 on ``device`` (seed 0)."""
-    import transformers as tf
-
-    common = {"vocab_size": setup.vocab, "hidden_size": setup.hidden, "intermediate_size": setup.intermediate, "num_hidden_layers": setup.layers,
-              "num_attention_heads": setup.heads, "num_key_value_heads": setup.kv_heads, "head_dim": setup.head_dim,
-              "max_position_embeddings": max(setup.tokens, 4096), "tie_word_embeddings": False, "use_cache": False}  # fmt: skip
-    if setup.family == "gpt_oss":
-        # As gpt-oss: even-numbered layers slide; learnable sinks in every layer. Every token goes to every expert,
-        # so routing near-ties (which bf16 rounding flips differently per implementation) change nothing.
-        # Its YaRN RoPE is defined for 131072 positions; any other value only warns.
-        common.update(max_position_embeddings=131072, sliding_window=setup.window, num_local_experts=setup.experts,
-                      num_experts_per_tok=setup.experts, output_router_logits=False,
-                      layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(setup.layers)])  # fmt: skip
-        config = tf.GptOssConfig(**common)
-    else:
-        config = tf.LlamaConfig(**common)
-    torch.manual_seed(0)
-    with torch.device(device):
-        return tf.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="eager")
+    """A random-initialized causal LM in bf16 on ``device`` (seed 0), built as the recipes build theirs: gpt-oss
+    with even-numbered layers sliding, learnable sinks in every layer and its masks kept per document (the
+    recipes' ``packing_safe_masks``). Every token goes to every expert, so routing near-ties (which bf16
+    rounding flips differently per implementation) change nothing."""
+    shape = ModelShape(hidden=setup.hidden, layers=setup.layers, heads=setup.heads, kv_heads=setup.kv_heads, head_dim=setup.head_dim,
+                       intermediate=setup.intermediate, window=setup.window, experts=setup.experts, experts_per_token=setup.experts)  # fmt: skip
+    return build_recipe_model(attn_implementation="eager", family=setup.family, shape=shape, vocab_size=setup.vocab,
+                              max_positions=max(setup.tokens, 4096), device=device, dtype=torch.bfloat16, seed=0)  # fmt: skip
 
 
 def document_lengths(setup: Setup, generator: torch.Generator) -> list[int]:
@@ -138,22 +131,8 @@ def make_batches(setup: Setup, count: int, device: str) -> list[dict]:
     return batches
 
 
-def document_masks(model, position_ids: torch.Tensor) -> dict:
-    """gpt-oss's two masks with packed documents kept apart. transformers' gpt-oss (5.17 to 5.24) builds its masks
-    without ``position_ids``, so eager/sdpa/flex_attention would attend across documents; built here as Llama
-    builds its own, inside the timed step. "cudnn" reads the documents from position_ids or cu_seq_lens itself."""
-    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
-
-    shape_of = torch.empty(*position_ids.shape, 0, dtype=model.dtype, device=position_ids.device)  # the builders read shape, dtype, device
-    arguments = (model.config, shape_of, None, None)  # (config, inputs_embeds, attention_mask, cache): positional across 5.17-5.24
-    return {"full_attention": create_causal_mask(*arguments, position_ids=position_ids),
-            "sliding_attention": create_sliding_window_causal_mask(*arguments, position_ids=position_ids)}  # fmt: skip
-
-
-def train_step(model, optimizer, inputs: dict, *, masks: bool) -> None:
-    """Forward, backward and AdamW step on one packed batch; ``masks``: build gpt-oss's document masks first."""
-    if masks:
-        inputs = {**inputs, "attention_mask": document_masks(model, inputs["position_ids"])}
+def train_step(model, optimizer, inputs: dict) -> None:
+    """Forward, backward and AdamW step on one packed batch."""
     model(**inputs).loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -221,21 +200,6 @@ def described(error: Exception) -> str:
     return f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:100]}"
 
 
-def no_backward_reason(impl: str, device: str) -> str | None:
-    """torch's own error when flex_attention cannot train on ``device`` (no CPU backward up to torch 2.13 at least),
-    from a tiny uncompiled call: a compile that then fails costs seconds per row."""
-    if impl != "flex_attention" or device == "cuda":
-        return None
-    from torch.nn.attention.flex_attention import flex_attention
-
-    q = torch.zeros(1, 1, 16, 16, device=device, requires_grad=True)
-    try:
-        flex_attention(q, q, q).sum().backward()
-    except NotImplementedError as error:
-        return described(error)
-    return None
-
-
 def run_one(model, initial: dict, setup: Setup, impl: str, packing: str, batches: list[dict], *, warmup: int, profile: bool,
             device: str) -> dict:  # fmt: skip
     """One (implementation, packing) row: warm-up, timed steps, peak memory, and the profile of one more step."""
@@ -244,19 +208,18 @@ def run_one(model, initial: dict, setup: Setup, impl: str, packing: str, batches
         model.set_attn_implementation(impl)
     except (ValueError, ImportError) as error:  # gpt-oss refuses sdpa; flex needs a torch that has it
         return row | {"error": f"not supported: {described(error)}", "note": ""}
-    if reason := no_backward_reason(impl, device):
+    if reason := skip_reason(impl, device=device):
         return row | {"error": reason, "note": ""}
     if packing == "position_ids":
         batches = [{k: v for k, v in batch.items() if k not in FLASH_KWARGS} for batch in batches]
     elif impl == "flex_attention":
         notes.append("flex ignores cu_seq_lens_*/max_length_* (documents from position_ids)")
-    masks = setup.family == "gpt_oss" and impl != "cudnn"
-    if masks:
-        notes.append("masks from position_ids (document_masks)")
+    if setup.family == "gpt_oss" and impl != "cudnn":
+        notes.append("masks from position_ids (packing_safe_masks)")
     model.load_state_dict(initial)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
 
-    step = functools.partial(train_step, model, optimizer, masks=masks)
+    step = functools.partial(train_step, model, optimizer)
     cudnn_attention.reset_stats()
     try:
         for batch in batches[:warmup]:

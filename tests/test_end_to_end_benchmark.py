@@ -90,8 +90,8 @@ def test_document_lengths_fill_each_step_within_range(name):
 
 
 def test_gpt_oss_document_masks_keep_documents_apart():
-    """Eager on the packed row with document_masks gives each document's own logits (without them it would not:
-    transformers' gpt-oss builds its masks without position_ids)."""
+    """Eager on the packed row gives each document's own logits: the benchmark's gpt-oss builds its masks from
+    position_ids (the recipes' packing_safe_masks; transformers' gpt-oss builds them without position_ids)."""
     setup = end_to_end.quick(end_to_end.SETUPS["gpt-oss"])
     model = end_to_end.build_model(setup, "cpu").float().eval()
     batch = end_to_end.make_batches(setup, 1, "cpu")[0]
@@ -100,9 +100,7 @@ def test_gpt_oss_document_masks_keep_documents_apart():
     assert len(starts) > 2  # several documents
     with torch.no_grad():
         alone = torch.cat([model(input_ids=batch["input_ids"][:, a:b]).logits for a, b in itertools.pairwise(starts)], dim=1)
-        packed = model(
-            input_ids=batch["input_ids"], position_ids=positions, attention_mask=end_to_end.document_masks(model, positions)
-        ).logits
+        packed = model(input_ids=batch["input_ids"], position_ids=positions).logits
     torch.testing.assert_close(packed, alone, rtol=1e-5, atol=1e-5)
 
 
