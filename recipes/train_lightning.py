@@ -36,12 +36,12 @@ from cudnn_attention.recipes.common.config import (
     help_of,
     model_shape,
 )
-from cudnn_attention.recipes.common.data import STATS_KEY, PackedCollator, PackedDataset, build_dataset, warn_if_repeated
+from cudnn_attention.recipes.common.data import STATS_KEY, PackedCollator, PackedDataset, build_dataset
 from cudnn_attention.recipes.common.errors import run_command
 from cudnn_attention.recipes.common.flops import step_flops_of
 from cudnn_attention.recipes.common.model import build_model
-from cudnn_attention.recipes.common.reporting import RunResult, fallback_announced, finish, format_rate, header
-from cudnn_attention.recipes.common.run_dirs import checked_output_dir, new_run_dir, remove_empty_dirs
+from cudnn_attention.recipes.common.reporting import RunResult, announce_run, fallback_announced, finish, format_rate
+from cudnn_attention.recipes.common.run_dirs import checked_output_dir, kept_folder, new_run_dir, remove_empty_dirs
 from cudnn_attention.recipes.common.steps import StepRecorder
 from cudnn_attention.recipes.common.tokenizer import load_tokenizer
 from lightning.pytorch import Callback, LightningModule
@@ -202,9 +202,7 @@ class RecipeCLI(LightningCLI):
         on_gpu = torch.cuda.is_available() and config.trainer.accelerator not in ("cpu",)
         options = LightningOptions(**config.model.as_dict()).resolved(on_gpu=on_gpu)
         config.model.size = options.size
-        gpu = torch.cuda.get_device_properties(0) if on_gpu else None
-        check_machine(size=options.size, tokens_per_step=options.tokens_per_step, device="cuda" if on_gpu else "cpu",
-                      gpu_name=gpu and gpu.name, gpu_gib=gpu and gpu.total_memory / 2**30)  # fmt: skip
+        check_machine(size=options.size, tokens_per_step=options.tokens_per_step, device="cuda:0" if on_gpu else "cpu")
         if config.trainer.max_steps in (None, -1):
             config.trainer.max_steps = options.budget().steps
         if config.trainer.precision is None:
@@ -216,7 +214,7 @@ class RecipeCLI(LightningCLI):
             self.keep = Path.cwd()
         else:
             root = checked_output_dir(config.trainer.default_root_dir, overwrite=config.overwrite_output_dir)
-            self.keep = root if root.exists() else root.parent
+            self.keep = kept_folder(root)
         callbacks = config.trainer.callbacks or []
         chosen_bar = any("ProgressBar" in str(getattr(callback, "class_path", callback)) for callback in callbacks)
         if config.trainer.enable_progress_bar is not False and not chosen_bar:
@@ -251,12 +249,8 @@ def main(argv: list[str] | None = None) -> dict:
         packs = first.model.packed_dataset().packs
         if trainer.is_global_zero:
             root.mkdir(parents=True, exist_ok=True)
-            packs_per_step = trainer.accumulate_grad_batches  # one pack per batch
-            print(header(recipe=RECIPE, model=options.model_name(), implementation=primary, device=str(device), steps=trainer.max_steps,
-                         tokens_per_step=options.tokens_per_step * packs_per_step, packs=packs,
-                         doc_tokens=(options.min_doc_tokens, options.max_doc_tokens)))  # fmt: skip
-            warn_if_repeated(packs=packs, tokens_per_step=options.tokens_per_step, steps=trainer.max_steps, world_size=trainer.world_size,
-                             packs_per_step=packs_per_step)  # fmt: skip
+            announce_run(recipe=RECIPE, options=options, implementation=primary, device=device, steps=trainer.max_steps, packs=packs,
+                         packs_per_step=trainer.accumulate_grad_batches, world_size=trainer.world_size)  # one pack per batch
 
         def run_once(implementation: str) -> RunResult:
             # run_with_compare runs each implementation once, the primary first: the CLI already parsed serves it.

@@ -145,8 +145,9 @@ def data_budget(
                       max_doc_tokens=min(max_doc_tokens or preset.max_doc_tokens, tokens_per_step))  # fmt: skip
 
 
-def check_machine(*, size: str, tokens_per_step: int, device: str, gpu_name: str | None = None, gpu_gib: float | None = None) -> None:
-    """Raise :class:`RecipeError` when ``size`` cannot train on this machine (``device``, and the GPU's total memory).
+def check_machine(*, size: str, tokens_per_step: int, device, gpu_name: str | None = None, gpu_gib: float | None = None) -> None:
+    """Raise :class:`RecipeError` when ``size`` cannot train on this machine (``device``, and the GPU's total memory,
+    read from ``device`` unless ``gpu_name``/``gpu_gib`` are given).
 
     A smaller ``tokens_per_step`` than the preset's lowers what it needs in proportion (activations dominate).
     """
@@ -156,7 +157,12 @@ def check_machine(*, size: str, tokens_per_step: int, device: str, gpu_name: str
     needed *= tokens_per_step / _BUDGETS[size].tokens_per_step
     if not str(device).startswith("cuda"):
         raise RecipeError(f"--size {size} needs a GPU with about {needed:.0f} GiB (device here: {device}); on a CPU use --size tiny")
-    if gpu_gib is not None and gpu_gib < needed:
+    if gpu_gib is None:
+        import torch
+
+        properties = torch.cuda.get_device_properties(device)
+        gpu_name, gpu_gib = properties.name, properties.total_memory / 2**30
+    if gpu_gib < needed:
         raise RecipeError(
             f"--size {size} at {tokens_per_step:,} tokens per step needs about {needed:.0f} GiB of GPU memory and {gpu_name} has "
             f"{gpu_gib:.0f} GiB: pass --tokens_per_step {int(tokens_per_step * gpu_gib / needed) // 1024 * 1024} or --size small"

@@ -19,12 +19,12 @@ import torch
 
 from .compare import run_with_compare
 from .config import LEARNING_RATE, MAX_GRAD_NORM, WARMUP_SHARE, WEIGHT_DECAY, RecipeOptions, RunOptions, check_machine, model_shape
-from .data import STATS_KEY, PackedCollator, build_dataset, warn_if_repeated
+from .data import STATS_KEY, PackedCollator, build_dataset
 from .errors import run_command
 from .flops import step_flops_of
 from .model import build_model
-from .reporting import RunResult, fallback_announced, finish, format_rate, header
-from .run_dirs import checked_output_dir, new_run_dir, remove_empty_dirs
+from .reporting import RunResult, announce_run, fallback_announced, finish, format_rate
+from .run_dirs import checked_output_dir, kept_folder, new_run_dir, remove_empty_dirs
 from .steps import StepRecorder
 from .tokenizer import load_tokenizer
 
@@ -162,7 +162,7 @@ def _run_dir(args, run_options: RunOptions, *, recipe: str, main_process: bool) 
     """The run's folder and the folder that stays if the run leaves nothing there (see ``remove_empty_dirs``)."""
     if args.output_dir is not None:
         path = checked_output_dir(args.output_dir, overwrite=run_options.overwrite_output_dir)
-        return path, path if path.exists() else path.parent
+        return path, kept_folder(path)
     from accelerate.utils import broadcast_object_list
 
     # The main process names and creates the folder; every rank needs the same one (FSDP saves a shard from each).
@@ -177,21 +177,16 @@ def run(options: RecipeOptions, run_options: RunOptions, args, *, recipe: str) -
 
     device = args.device  # sets up the process group under accelerate launch / torchrun
     main_process = PartialState().is_main_process
-    gpu = torch.cuda.get_device_properties(device) if device.type == "cuda" else None
-    check_machine(size=options.size, tokens_per_step=options.tokens_per_step, device=str(device), gpu_name=gpu and gpu.name,
-                  gpu_gib=gpu and gpu.total_memory / 2**30)  # fmt: skip
+    check_machine(size=options.size, tokens_per_step=options.tokens_per_step, device=device)
     tokenizer = load_tokenizer(tokenizer=options.tokenizer, checkpoint=options.checkpoint)
     dataset = build_dataset(
         tokenizer=tokenizer, dataset=options.dataset, text_field=options.text_field, tokens_per_step=options.tokens_per_step,
         min_doc_tokens=options.min_doc_tokens, max_doc_tokens=options.max_doc_tokens, seed=args.seed,
     )  # fmt: skip
     if main_process:
-        packs_per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps  # one pack per row
-        print(header(recipe=recipe, model=options.model_name(), implementation=options.attn_implementation, device=str(device),
-                     steps=args.max_steps, tokens_per_step=options.tokens_per_step * packs_per_step, packs=dataset.packs,
-                     doc_tokens=(options.min_doc_tokens, options.max_doc_tokens)))  # fmt: skip
-        warn_if_repeated(packs=dataset.packs, tokens_per_step=options.tokens_per_step, steps=args.max_steps, world_size=args.world_size,
-                         packs_per_step=packs_per_step)  # fmt: skip
+        announce_run(recipe=recipe, options=options, implementation=options.attn_implementation, device=device, steps=args.max_steps,
+                     packs=dataset.packs, packs_per_step=args.per_device_train_batch_size * args.gradient_accumulation_steps,  # one pack per row
+                     world_size=args.world_size)  # fmt: skip
     output_dir, keep = _run_dir(args, run_options, recipe=recipe, main_process=main_process)
 
     def run_once(implementation: str) -> RunResult:

@@ -12,7 +12,10 @@ import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-__all__ = ["IMPLEMENTATION_COLORS", "RunResult", "comparison", "describe_comparison", "draw_losses", "fallback_announced", "finish",
+from .data import warn_if_repeated
+from .run_dirs import RESULTS
+
+__all__ = ["IMPLEMENTATION_COLORS", "RunResult", "announce_run", "comparison", "describe_comparison", "draw_losses", "fallback_announced", "finish",
            "format_rate", "header", "plot_losses", "rates", "served_by", "step_columns", "step_row", "warmup_steps", "write_metrics"]  # fmt: skip
 
 _GIB = 2**30
@@ -49,6 +52,16 @@ def header(*, recipe: str, model: str, implementation: str, device: str, steps: 
     line = (f"{recipe}: {model}, attn_implementation={implementation!r}, {device}, {steps} steps of {tokens_per_step:,} tokens per "
             f"device ({len(packs)} packs, {documents / len(packs):.1f} documents each, {doc_tokens[0]}-{doc_tokens[1]} tokens per document)")  # fmt: skip
     return f"{line}\n{_CPU_NOTE}" if implementation == "cudnn" and not str(device).startswith("cuda") else line
+
+
+def announce_run(*, recipe: str, options, implementation: str, device, steps: int, packs: list, packs_per_step: int,
+                 world_size: int) -> None:  # fmt: skip
+    """Print the :func:`header` of a run whose optimizer steps take ``packs_per_step`` packs per device (batch size x
+    gradient accumulation), and warn when its steps would repeat packs (see :func:`~.data.warn_if_repeated`)."""
+    print(header(recipe=recipe, model=options.model_name(), implementation=implementation, device=str(device), steps=steps,
+                 tokens_per_step=options.tokens_per_step * packs_per_step, packs=packs,
+                 doc_tokens=(options.min_doc_tokens, options.max_doc_tokens)))  # fmt: skip
+    warn_if_repeated(packs=packs, tokens_per_step=options.tokens_per_step, steps=steps, world_size=world_size, packs_per_step=packs_per_step)
 
 
 @contextlib.contextmanager
@@ -301,7 +314,7 @@ def finish(*, recipe: str, results: dict[str, RunResult], primary: str, config: 
                 for name, diff in payload["loss_max_abs_diff_vs_eager"].items()
             )
             print(f"loss-curve distance from eager (max |diff| / second-half mean |diff|): {distances}")
-        metrics = write_metrics(Path(output_dir) / "metrics.json", payload)
+        metrics = write_metrics(Path(output_dir) / RESULTS, payload)
         try:
             plot = plot_losses(Path(output_dir) / "loss.png", results, title=title)
         except ImportError:  # the run's figures are in the JSON already; do not fail a finished run over a plot

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from .errors import RecipeError
 
-__all__ = ["checked_output_dir", "new_run_dir", "remove_empty_dirs"]
+__all__ = ["checked_output_dir", "kept_folder", "new_run_dir", "remove_empty_dirs"]
 
 RESULTS = "metrics.json"  # what marks a folder as holding a finished run
 
@@ -37,6 +37,11 @@ def checked_output_dir(output_dir: str | Path, *, overwrite: bool) -> Path:
     if not overwrite and (path / RESULTS).exists():
         raise RecipeError(f"{path} already holds a run ({RESULTS}): pass another output directory, or --overwrite_output_dir to replace it")
     return path
+
+
+def kept_folder(output_dir: Path) -> Path:
+    """The folder that stays if a run leaves nothing in ``output_dir``: itself when it existed before the run, else its parent."""
+    return output_dir if output_dir.exists() else output_dir.parent
 
 
 def remove_empty_dirs(path: str | Path, *, keep: str | Path) -> None:
