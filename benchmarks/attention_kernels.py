@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import math
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -174,7 +173,7 @@ def run_case(case: Case):
             entry["error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
         entry["plans"] = sorted(set(plan_names()[len(before):]))  # the graphs this implementation's calls built
         case.results[name] = entry
-        del out
+        out = grad_out = None  # this implementation's graph is freed before the next one is timed (one that failed bound neither)
     torch.cuda.empty_cache()
 
 
