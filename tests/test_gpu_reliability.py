@@ -260,7 +260,7 @@ def test_dsink_error_over_a_grid(capsys):
 
 def test_a_short_script_exits_without_the_frontends_leak_report():
     # Issue 14, item 11: nanobind reports every frontend instance alive at interpreter teardown (hundreds of lines).
-    script = textwrap.dedent("""
+    result = _run_python("""
         import torch, cudnn_attention
         q = torch.randn(2, 4, 64, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         cu = torch.tensor([0, 30, 64], device="cuda", dtype=torch.int32)
@@ -270,6 +270,5 @@ def test_a_short_script_exits_without_the_frontends_leak_report():
         assert cudnn_attention.stats()["cudnn_backward"] == 2, cudnn_attention.stats()
         print("done")
     """)
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0 and result.stdout.strip() == "done", result.stdout + result.stderr
     assert "nanobind" not in result.stderr and "leaked" not in result.stderr, result.stderr[-2000:]
