@@ -172,14 +172,19 @@ def _randn(shape, dtype, device):
     return torch.randn(shape, dtype=dtype, device=device)
 
 
+def _interleaved(case, shape, dtype, device):
+    # The leaf buffer requires grad before the views are taken, so q, k and v are differentiable views of it.
+    return _randn(shape, dtype, device).requires_grad_(case["grads"])
+
+
 def _dense_inputs(case, dtype, device):
     B, Hq, Hkv, Sq, Skv, D, Dv = case["b"], case["h_q"], case["h_kv"], case["s_q"], case["s_kv"], case["d"], case["d_v"]
     layout = case["layout"]
     if layout == "qkv_interleaved":
         if Hq == Hkv:  # (B, S, 3, H, D).unbind(2), each seen as (B, H, S, D)
-            buf = _randn((B, Sq, 3, Hq, D), dtype, device)
+            buf = _interleaved(case, (B, Sq, 3, Hq, D), dtype, device)
             return [t.transpose(1, 2) for t in buf.unbind(2)], buf
-        buf = _randn((B, Sq, Hq + 2 * Hkv, D), dtype, device)  # GQA's fused projection split along heads
+        buf = _interleaved(case, (B, Sq, Hq + 2 * Hkv, D), dtype, device)  # GQA's fused projection split along heads
         return [t.transpose(1, 2) for t in buf.split([Hq, Hkv, Hkv], dim=2)], buf
     shapes = [(B, Hq, Sq, D), (B, Hkv, Skv, D), (B, Hkv, Skv, Dv)]
     r = _rng("layout", case["seed"], case["index"])
@@ -199,9 +204,9 @@ def _packed_inputs(case, dtype, device, T_q, T_kv):
     layout = case["layout"]
     if layout == "qkv_interleaved":
         if Hq == Hkv:  # (T, 3, H, D).unbind(1)
-            buf = _randn((T_q, 3, Hq, D), dtype, device)
+            buf = _interleaved(case, (T_q, 3, Hq, D), dtype, device)
             return list(buf.unbind(1)), buf
-        buf = _randn((T_q, Hq + 2 * Hkv, D), dtype, device)
+        buf = _interleaved(case, (T_q, Hq + 2 * Hkv, D), dtype, device)
         return list(buf.split([Hq, Hkv, Hkv], dim=1)), buf
     shapes = [(T_q, Hq, D), (T_kv, Hkv, D), (T_kv, Hkv, Dv)]
     r = _rng("layout", case["seed"], case["index"])
@@ -232,18 +237,9 @@ def build_call(case: dict, device: str):
     if case["sinks"] is not None:
         sink_dtype = torch.float32 if case["sinks"] == "float32" else dtype
         kwargs["sinks"] = (2 * _randn((case["h_q"],), torch.float32, device)).to(sink_dtype).requires_grad_(case["grads"])
-    if case["grads"]:
-        if buf is not None:
-            buf.requires_grad_()
-            # Re-take the views so they are differentiable views of the leaf buffer.
-            if case["kind"] != "packed":
-                parts = buf.unbind(2) if case["h_q"] == case["h_kv"] else buf.split([case["h_q"], case["h_kv"], case["h_kv"]], dim=2)
-                q, k, v = (t.transpose(1, 2) for t in parts)
-            else:
-                q, k, v = buf.unbind(1) if case["h_q"] == case["h_kv"] else buf.split([case["h_q"], case["h_kv"], case["h_kv"]], dim=1)
-        else:
-            for t in (q, k, v):
-                t.requires_grad_()
+    if case["grads"] and buf is None:
+        for t in (q, k, v):
+            t.requires_grad_()
     if case["kind"] == "dense":
         return "dense", (q, k, v), kwargs
     if case["kind"] == "padded":
