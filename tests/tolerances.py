@@ -3,7 +3,12 @@ error of PyTorch doing the same math in low precision, plus 1e-3 of the referenc
 
 import torch
 
-__all__ = ["assert_within_lowp_noise"]
+__all__ = ["assert_within_lowp_noise", "lowp_noise_bound"]
+
+
+def lowp_noise_bound(ref: torch.Tensor, lowp: torch.Tensor) -> float:
+    """The rule's bound: twice ``lowp``'s error against the fp32 ``ref``, plus 1e-3 of ``ref``'s largest magnitude."""
+    return 2 * (lowp.float() - ref.float()).abs().max().item() + 1e-3 * ref.float().abs().max().item()
 
 
 def assert_within_lowp_noise(name: str, got: torch.Tensor, ref: torch.Tensor, lowp: torch.Tensor) -> None:
@@ -11,5 +16,5 @@ def assert_within_lowp_noise(name: str, got: torch.Tensor, ref: torch.Tensor, lo
     err = (got.float() - ref.float()).abs().max().item()
     base = (lowp.float() - ref.float()).abs().max().item()
     magnitude = ref.float().abs().max().item()
-    bound = 2 * base + 1e-3 * magnitude
+    bound = lowp_noise_bound(ref, lowp)
     assert err <= bound, f"{name}: cuDNN error {err:.3g} > bound {bound:.3g} (torch low-precision error {base:.3g}, |ref| {magnitude:.3g})"
