@@ -40,10 +40,13 @@ _logger = logging.getLogger(__name__)
 
 # How the sink forward runs: "engine" (cuDNN's sink engine) or "fold" (the sink-less kernel, then one
 # fused pass that folds the sinks into its output and LSE, see fused_sinks.fold_sinks). On an H200
-# (cuDNN 9.19, gpt-oss shape) the fold is 1.6x faster (0.473 against 0.768 ms) but rounds the output
-# to bf16 twice (max abs error 1.5e-2 against 8.2e-3), and with it the gpt-oss recipe's 20-step loss
-# curve left its bound against eager (0.148 against 0.058; the engine's passes). Until that is
-# understood the engine is the default; it declines single-query rows (s_q = 1), which take the fold.
+# (cuDNN 9.19, packed gpt-oss shape) the fold takes 1.07-1.14x the sink-less forward against the
+# engine's 2.1-2.2x (fwd+bwd 1.48 against 1.83 ms), but it rounds the output to bf16 twice (max abs
+# error 1.5e-2 against 8.2e-3), and with it the gpt-oss recipe's 20-step loss curve leaves its bound
+# against eager (0.161 and 0.148 in two runs, bound 0.058; the engine passes). Rounding once would need
+# the sink-less kernel to write O in float32: 9.19 builds that graph but writes wrong values (max abs
+# error 4e37 packed, 5.1 dense), so it is not used. The engine stays the default; it declines
+# single-query rows (s_q = 1), which take the fold.
 SINK_FORWARD = os.environ.get("CUDNN_ATTENTION_SINK_FORWARD", "engine")
 
 
@@ -213,32 +216,34 @@ def _padding_rows(seqlens_q, s_q: int) -> torch.Tensor:
 
 
 def _run_forward(plan: Plan, q, k, v, sinks, seqlens_q, seqlens_kv, cu_seqlens_q, cu_seqlens_kv, need_lse: bool):
-    graph = plan.forward
-    padded = seqlens_q is not None
+    graph, folds = plan.forward, plan.folds_sinks
+    padded, packed = seqlens_q is not None, cu_seqlens_q is not None
+    # The fold writes every row, absent ones as zero and -inf: a packed out and LSE need no fill then.
     out, lse = allocate_forward_outputs(
-        q, v, packed=cu_seqlens_q is not None, padded=padded, need_lse=need_lse or plan.folds_sinks, out_strides=graph.out_strides
+        q, v, packed=packed, padded=padded, need_lse=need_lse or folds, out_strides=graph.out_strides, zero_tails=not folds
     )
     operands = [q, k, v, out]
     if lse is not None:
         operands.append(lse.unsqueeze(-1))
-    if sinks is not None and not plan.folds_sinks:
+    if sinks is not None and not folds:
         operands.append(_aligned(sinks, "sinks").view(1, -1, 1, 1))
     operands += _length_operands(graph, seqlens_q, seqlens_kv, cu_seqlens_q, cu_seqlens_kv)
     execute(graph, operands, q.device.index)
-    absent = None
-    if padded:
-        invalid_B1S1 = _padding_rows(seqlens_q, q.shape[2])
-        out.masked_fill_(invalid_B1S1, 0)
-        absent = invalid_B1S1[..., 0]
-        if lse is not None and not plan.folds_sinks:
-            lse.masked_fill_(absent, float("-inf"))
-    if plan.folds_sinks:
-        if cu_seqlens_q is not None:
+    invalid_B1S1 = _padding_rows(seqlens_q, q.shape[2]) if padded else None
+    if folds:
+        absent = None
+        if padded:
+            absent = invalid_B1S1[..., 0]
+        elif packed:
             tokens = q.shape[0]
             absent = _memoized(cu_seqlens_q, cu_seqlens_kv, ("absent rows", tokens), lambda: _packed_absent_rows(cu_seqlens_q, cu_seqlens_kv, tokens))
         fold_sinks(out, lse, sinks, absent)
         if not need_lse:
             lse = None
+    elif padded:
+        out.masked_fill_(invalid_B1S1, 0)
+        if lse is not None:
+            lse.masked_fill_(invalid_B1S1[..., 0], float("-inf"))
     count_cudnn("forward")
     return out, lse
 

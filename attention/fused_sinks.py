@@ -30,7 +30,8 @@ def fold_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor, absent
     ``out' = out * exp(lse - lse') = out * sigmoid(lse - sink)``. A row whose mask leaves it no key
     (``lse = -inf``) sees the sink alone: zero output, ``lse' = sink``. Rows flagged in ``absent``
     (bool, broadcastable to ``lse``: padding, capacity tails, documents without keys) see no sink:
-    zero output and ``-inf``, whatever the sink. A NaN sink gives NaN rows, as in torch.
+    zero output and ``-inf``, whatever the sink and whatever ``out`` and ``lse`` held there (the
+    kernel leaves them unwritten, so they need no fill beforehand). A NaN sink gives NaN rows, as in torch.
 
     ``out`` is (B, H, S, D) or (T, H, D) with a unit innermost stride; ``lse`` (B, H, S) or (T, H),
     contiguous float32; ``sinks`` (H,) float32.
@@ -39,12 +40,12 @@ def fold_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor, absent
         _launch_fold(out, lse, sinks, absent)
         return
     sinks_view = sinks.view(1, -1, 1) if lse.dim() == 3 else sinks.view(1, -1)
-    factor = torch.sigmoid(lse - sinks_view)
+    folded_out = out.float() * torch.sigmoid(lse - sinks_view).unsqueeze(-1)
     folded = torch.logaddexp(lse, sinks_view)
     if absent is not None:
-        factor.masked_fill_(absent, 0.0)
+        folded_out.masked_fill_(absent.unsqueeze(-1), 0.0)
         folded.masked_fill_(absent, float("-inf"))
-    out.mul_(factor.unsqueeze(-1))
+    out.copy_(folded_out)
     lse.copy_(folded)
 
 
@@ -130,14 +131,15 @@ if triton is not None:
         folded = tl.where(high == float("-inf"), high, high + tl.log(tl.exp(lse - high) + tl.exp(sink - high)))
         if HAS_ABSENT:
             gone = tl.load(absent_ptr + a * C + c, mask=valid, other=0) != 0
-            factor = tl.where(gone, 0.0, factor)
             folded = tl.where(gone, float("-inf"), folded)
         tl.store(lse_ptr + r, folded, mask=valid)
         d = tl.arange(0, BLOCK_D)
-        pointers = out_ptr + (a * sa + h * sh + c * sc)[:, None] + d[None, :]
+        offsets = (a * sa + h * sh + c * sc)[:, None] + d[None, :]
         inside = valid[:, None] & (d[None, :] < D)
-        values = tl.load(pointers, mask=inside, other=0.0).to(tl.float32)
-        tl.store(pointers, (values * factor[:, None]).to(out_ptr.dtype.element_ty), mask=inside)
+        values = tl.load(out_ptr + offsets, mask=inside, other=0.0).to(tl.float32) * factor[:, None]
+        if HAS_ABSENT:
+            values = tl.where(gone[:, None], 0.0, values)  # whatever an unwritten row holds
+        tl.store(out_ptr + offsets, values.to(out_ptr.dtype.element_ty), mask=inside)
 
     @triton.jit
     def _sink_gradient_kernel(grad_ptr, out_ptr, lse_ptr, sinks_ptr, terms_ptr, rows, H, C, sa, sh, sc, D,

@@ -89,20 +89,25 @@ def packed_bounds(*, documents: int, max_seqlen: int, tokens: int) -> tuple[int,
 
 
 def allocate_forward_outputs(
-    q: torch.Tensor, v: torch.Tensor, *, packed: bool, padded: bool, need_lse: bool, out_strides: tuple | None = None
+    q: torch.Tensor, v: torch.Tensor, *, packed: bool, padded: bool, need_lse: bool, out_strides: tuple | None = None, zero_tails: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` for a forward call; ``lse`` is ``None`` when not needed.
 
     Dense: out adopts q's layout (``out_strides``, when the caller already derived them with
     :func:`like_layout_strides`), lse (B, H, S_q). Packed: out (T, H, D_v), lse (T, H).
     Packed tokens a kernel may leave unwritten (past ``cu_seqlens[-1]``, documents with no key)
-    start at zero and lse at ``-inf``, so they read as the exact result instead of stale memory;
-    the rows of a padded batch are masked after the kernel instead.
+    start at zero (unless ``zero_tails=False``: a pass after the kernel writes every row) and lse
+    at ``-inf``, so they read as the exact result instead of stale memory; the rows of a padded
+    batch are masked after the kernel instead.
     """
     if packed:
         T, H = q.shape[0], q.shape[1]
-        out = torch.zeros((T, H, v.shape[-1]), dtype=q.dtype, device=q.device)
-        lse = torch.full((T, H), float("-inf"), dtype=torch.float32, device=q.device) if need_lse else None
+        out = torch.empty((T, H, v.shape[-1]), dtype=q.dtype, device=q.device)
+        lse = torch.empty((T, H), dtype=torch.float32, device=q.device) if need_lse else None
+        if zero_tails:
+            out.zero_()
+            if lse is not None:
+                lse.fill_(float("-inf"))
         return out, lse
     B, H, S = q.shape[0], q.shape[1], q.shape[2]
     shape = (B, H, S, v.shape[-1])

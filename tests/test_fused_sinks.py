@@ -51,6 +51,15 @@ for sinks in (torch.randn(3, device=device), torch.tensor([0.5, float("nan"), fl
         # The same float32 product rounded once to out's dtype: at most one unit in the last place apart.
         torch.testing.assert_close(got_out.float(), want_out.float(), rtol=2 ** -7, atol=0, equal_nan=True)
         torch.testing.assert_close(got_ds, want_ds, rtol=1e-5, atol=1e-6, equal_nan=True)
+        # Rows the kernel leaves unwritten (absent) are zero and -inf after the fold, whatever they held.
+        if absent is not None:
+            want_out, want_lse = out.masked_fill(absent.unsqueeze(-1), float("nan")), lse.masked_fill(absent, float("nan"))
+            got_out, got_lse = want_out.clone(), want_lse.clone()
+            fused_sinks.fold_sinks(want_out, want_lse, sinks, absent)
+            fused_sinks._launch_fold(got_out, got_lse, sinks, absent)
+            for got, want in ((got_out.float(), want_out.float()), (got_lse, want_lse)):
+                torch.testing.assert_close(got, want, rtol=2 ** -7, atol=0, equal_nan=True)
+            assert got_out.masked_select(absent.unsqueeze(-1)).abs().max() == 0 and got_lse.masked_select(absent).isneginf().all()
 print("fused sink passes agree")
 '''
 

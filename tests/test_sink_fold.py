@@ -46,3 +46,22 @@ def test_fold_gives_the_sink_forward_packed_and_nan_sinks_stay_nan():
     keep = [0, 2, 3]
     torch.testing.assert_close(out[:, keep], want_out[:, keep], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(lse[:, keep], want_lse[:, keep], rtol=1e-5, atol=1e-6)
+
+
+def test_fold_ignores_what_absent_rows_held():
+    # On cuDNN the fold's packed output and LSE start unfilled (the kernel leaves absent rows unwritten and the fold
+    # writes every row), so whatever those rows hold, NaN here, must come out as zero output and -inf.
+    torch.manual_seed(2)
+    q, k, v = torch.randn(20, 4, 16), torch.randn(20, 1, 16), torch.randn(20, 1, 16)
+    cu_q = torch.tensor([0, 1, 7, 12, 17], dtype=torch.int32)
+    cu_kv = torch.tensor([0, 1, 7, 7, 12], dtype=torch.int32)
+    mask = make_mask_spec(causal=True, bottom_right=False, window_size=(2, 0))
+    sinks = torch.tensor([0.5, 2.0, -1.0, 3.0])
+    out, lse = varlen_reference(q, k, v, cu_q, cu_kv, 6, 6, scale=0.25, mask=mask)
+    want_out, want_lse = varlen_reference(q, k, v, cu_q, cu_kv, 6, 6, scale=0.25, mask=mask, sinks_H=sinks)
+    absent = _packed_absent_rows(cu_q, cu_kv, 20)
+    out.masked_fill_(absent.unsqueeze(-1), float("nan"))
+    lse.masked_fill_(absent, float("nan"))
+    fold_sinks(out, lse, sinks, absent)
+    torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-6)
