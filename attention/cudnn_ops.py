@@ -220,7 +220,7 @@ def _run_forward(plan: Plan, q, k, v, sinks, seqlens_q, seqlens_kv, cu_seqlens_q
     padded, packed = seqlens_q is not None, cu_seqlens_q is not None
     # The fold writes every row, absent ones as zero and -inf: a packed out and LSE need no fill then.
     out, lse = allocate_forward_outputs(
-        q, v, packed=packed, padded=padded, need_lse=need_lse or folds, out_strides=graph.out_strides, zero_tails=not folds
+        q, v, packed=packed, need_lse=need_lse or folds, out_strides=graph.out_strides, zero_tails=not folds
     )
     operands = [q, k, v, out]
     if lse is not None:
@@ -324,7 +324,7 @@ _lib.impl("backward", _backward_cuda, "CUDA")
 @torch.library.register_fake("cudnn_attention::forward", lib=_lib)
 def _forward_fake(q, k, v, sinks, seqlens_q, seqlens_kv, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, scale, window_left,
                   window_right, bottom_right, need_lse):  # fmt: skip
-    out, lse = allocate_forward_outputs(q, v, packed=cu_seqlens_q is not None, padded=seqlens_q is not None, need_lse=need_lse)
+    out, lse = allocate_forward_outputs(q, v, packed=cu_seqlens_q is not None, need_lse=need_lse)
     return out, lse if lse is not None else _no_lse(q)
 
 

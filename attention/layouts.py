@@ -89,7 +89,7 @@ def packed_bounds(*, documents: int, max_seqlen: int, tokens: int) -> tuple[int,
 
 
 def allocate_forward_outputs(
-    q: torch.Tensor, v: torch.Tensor, *, packed: bool, padded: bool, need_lse: bool, out_strides: tuple | None = None, zero_tails: bool = True
+    q: torch.Tensor, v: torch.Tensor, *, packed: bool, need_lse: bool, out_strides: tuple | None = None, zero_tails: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` for a forward call; ``lse`` is ``None`` when not needed.
 

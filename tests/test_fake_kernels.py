@@ -50,7 +50,7 @@ def test_dense_backward_fake_grads_adopt_input_layouts():
 
 def test_real_allocation_helper_matches_fake_on_cpu():
     q = torch.empty(2, 5, 4, 64).transpose(1, 2)
-    out, _ = allocate_forward_outputs(q, q, packed=False, padded=False, need_lse=True)
+    out, _ = allocate_forward_outputs(q, q, packed=False, need_lse=True)
     fake_out, _ = _forward(q.to("meta"), q.to("meta"), q.to("meta"))
     assert out.stride() == fake_out.stride()
 
