@@ -351,7 +351,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     out = args.out or (None if args.quick else Path(__file__).resolve().parent / "results")
     rows, setups = [], {name: quick(SETUPS[name]) if args.quick else SETUPS[name] for name in args.configs}
     for setup in setups.values():
-        model = build_model(setup, device).train()
+        model = build_model(setup, device)
         initial = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
         batches = make_batches(setup, args.warmup + args.steps + 1, device)
         config_rows = []

@@ -40,7 +40,7 @@ from cudnn_attention.recipes.common.data import STATS_KEY, PackedCollator, Packe
 from cudnn_attention.recipes.common.errors import run_command
 from cudnn_attention.recipes.common.flops import step_flops_of
 from cudnn_attention.recipes.common.model import build_model
-from cudnn_attention.recipes.common.reporting import RunResult, announce_run, fallback_announced, finish, format_rate
+from cudnn_attention.recipes.common.reporting import RunResult, announce_run, fallback_announced, finish, format_mfu, format_rate
 from cudnn_attention.recipes.common.run_dirs import checked_output_dir, kept_folder, new_run_dir, remove_empty_dirs
 from cudnn_attention.recipes.common.steps import StepRecorder
 from cudnn_attention.recipes.common.tokenizer import load_tokenizer
@@ -184,7 +184,7 @@ class RecipeProgressBar(TQDMProgressBar):
         if "tok/s" in metrics:
             metrics["tok/s"] = format_rate(metrics["tok/s"])
         if "mfu" in metrics:
-            metrics["mfu"] = f"{100 * metrics['mfu']:.1f}%"
+            metrics["mfu"] = format_mfu(metrics["mfu"])
         return metrics
 
 

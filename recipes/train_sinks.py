@@ -11,7 +11,7 @@ The other alternatives are eager (quadratic memory) and flex_attention (compiled
 layout). ``--compare flash_attention_4`` is reported as skipped, with the reason, where it is not installed.
 """
 
-from cudnn_attention.recipes.common.hf_trainer import command
+from cudnn_attention.recipes.common.errors import run_command
 from cudnn_attention.recipes.common.hf_trainer import main as run_recipe
 
 __all__ = ["main"]
@@ -23,4 +23,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    command(recipe="train_sinks", family="gpt_oss")
+    run_command(main)

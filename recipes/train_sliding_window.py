@@ -13,7 +13,7 @@ Documents of varying length are packed into one row per step by ``DataCollatorWi
 folder of its own, ``runs/train_sliding_window/<date>_<time>/`` (or ``--output_dir``).
 """
 
-from cudnn_attention.recipes.common.hf_trainer import command
+from cudnn_attention.recipes.common.errors import run_command
 from cudnn_attention.recipes.common.hf_trainer import main as run_recipe
 
 __all__ = ["main"]
@@ -25,4 +25,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    command(recipe="train_sliding_window", family="mistral")
+    run_command(main)

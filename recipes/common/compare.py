@@ -32,12 +32,12 @@ def skip_reason(implementation: str, *, device: str) -> str | None:
         # torch raises "FlexAttention does not support backward on CPU" (after ~30 s of compiling).
         return "flex_attention has no backward on CPU in torch; run the flex_attention comparison on a GPU"
     if implementation == "flash_attention_4":
-        return _flash_attention_4_missing(device=device)
+        return _flash_attention_4_missing(device=device, on_gpu=on_gpu)
     return None
 
 
-def _flash_attention_4_missing(*, device: str) -> str | None:
-    if not str(device).startswith("cuda"):
+def _flash_attention_4_missing(*, device: str, on_gpu: bool) -> str | None:
+    if not on_gpu:
         return "flash_attention_4 runs FlashAttention's CuTe kernels on sm90/sm100 GPUs; run that comparison on one"
     from transformers.utils import is_flash_attn_4_available
 

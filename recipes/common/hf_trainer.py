@@ -20,15 +20,14 @@ import torch
 from .compare import run_with_compare
 from .config import LEARNING_RATE, MAX_GRAD_NORM, WARMUP_SHARE, WEIGHT_DECAY, RecipeOptions, RunOptions, check_machine, model_shape
 from .data import STATS_KEY, PackedCollator, build_dataset
-from .errors import run_command
 from .flops import step_flops_of
 from .model import build_model
-from .reporting import RunResult, announce_run, fallback_announced, finish, format_rate
+from .reporting import RunResult, announce_run, fallback_announced, finish, format_mfu, format_rate
 from .run_dirs import checked_output_dir, kept_folder, new_run_dir, remove_empty_dirs
 from .steps import StepRecorder
 from .tokenizer import load_tokenizer
 
-__all__ = ["TRAINER_DEFAULTS", "command", "main", "parse", "run", "train_once"]
+__all__ = ["TRAINER_DEFAULTS", "main", "parse", "run", "train_once"]
 
 # The recipe's TrainingArguments defaults; any flag on the command line replaces them.
 TRAINER_DEFAULTS = dict(
@@ -101,7 +100,7 @@ def _trainer_classes():
             super().on_step_end(args, state, control, **kwargs)
             if self.training_bar is not None and self.recorder.losses:
                 live = self.recorder.live()
-                mfu = f", MFU {100 * live['mfu']:.1f}%" if live["mfu"] is not None else ""
+                mfu = f", MFU {format_mfu(live['mfu'])}" if live["mfu"] is not None else ""
                 loss = self.recorder.losses[-1].item()  # the recorder's clock synchronized already: no extra wait
                 self.training_bar.set_postfix_str(f"loss {loss:.4f}, {format_rate(live['tokens_per_s'])} tokens/s{mfu}")
 
@@ -209,8 +208,3 @@ def main(argv: list[str] | None = None, *, recipe: str, family: str) -> dict:
     """Programmatic entry of a Trainer recipe (``argv``: its command-line flags); ``family`` is the recipe's default model."""
     options, run_options, args = parse(argv, family=family)
     return run(options, run_options, args, recipe=recipe)
-
-
-def command(*, recipe: str, family: str) -> None:
-    """Command-line entry of a Trainer recipe: a user mistake ends it with one line, not a traceback."""
-    run_command(lambda argv: main(argv, recipe=recipe, family=family))

@@ -16,7 +16,7 @@ from .data import warn_if_repeated
 from .run_dirs import RESULTS
 
 __all__ = ["IMPLEMENTATION_COLORS", "RunResult", "announce_run", "comparison", "describe_comparison", "draw_losses", "fallback_announced", "finish",
-           "format_rate", "header", "plot_losses", "rates", "served_by", "step_columns", "step_row", "warmup_steps", "write_metrics"]  # fmt: skip
+           "format_mfu", "format_rate", "header", "plot_losses", "rates", "served_by", "step_columns", "step_row", "warmup_steps", "write_metrics"]  # fmt: skip
 
 _GIB = 2**30
 # One colour per implementation in every panel and every plot of the recipes and their benchmarks.
@@ -43,6 +43,11 @@ def rates(seconds: list[float], tokens: list[float], flops: list[float], *, skip
 def format_rate(tokens_per_s: float | None) -> str:
     """Tokens/s as the progress bars and the summary print it."""
     return "n/a" if not tokens_per_s else f"{tokens_per_s:,.0f}"
+
+
+def format_mfu(mfu: float) -> str:
+    """Model FLOPs utilization (a fraction) as the progress bars and the summary print it."""
+    return f"{100 * mfu:.1f}%"
 
 
 def header(*, recipe: str, model: str, implementation: str, device: str, steps: int, tokens_per_step: int, packs: list,
@@ -138,7 +143,7 @@ class RunResult:
         s = self.summary()
         if self.skipped:
             return [f"[{self.attn_implementation}] skipped: {self.skipped}"]
-        mfu = f"{100 * s['mfu']:.1f}%" if s["mfu"] is not None else "n/a (no dense bf16 peak known for this device)"
+        mfu = format_mfu(s["mfu"]) if s["mfu"] is not None else "n/a (no dense bf16 peak known for this device)"
         memory = f"{s['peak_memory_gib']:.2f} GiB" if s["peak_memory_gib"] is not None else "n/a (cpu)"
         rate = format_rate(s["tokens_per_s"])
         return [
