@@ -10,6 +10,7 @@ import contextlib
 import threading
 
 import torch
+import torch.nn.functional as F
 
 from cudnn_attention import _compat, sdpa_overrides
 from cudnn_attention.masking import MaskSpec
@@ -18,6 +19,26 @@ from cudnn_attention.reference import dense_reference, varlen_reference
 # The CUDA kernels the provider overrides.
 DENSE_OPS = ("aten::_scaled_dot_product_cudnn_attention", "aten::_scaled_dot_product_cudnn_attention_backward")
 VARLEN_OPS = ("torch_attn::_varlen_attn", "torch_attn::_varlen_attn_out", "torch_attn::_varlen_attn_backward")
+
+
+def per_document_reference(q, k, v, cu_q, cu_kv, grad_out=None, *, left):
+    """Packed (T, H, D) CPU attention with torch's math, each document on its own, the causal diagonal at its last
+    query and key (bottom right; queries are the last keys' positions) and ``left`` keys back visible (None: all).
+    Returns ``(out, [dq, dk, dv])`` for ``grad_out``, or ``(out, None)`` without it. Every token is in a document."""
+    out, grads = torch.empty_like(q), [torch.empty_like(t) for t in (q, k, v)]
+    lengths_q, lengths_kv = ((cu[1:] - cu[:-1]).tolist() for cu in (cu_q, cu_kv))
+    for doc, (len_q, len_kv) in enumerate(zip(lengths_q, lengths_kv)):
+        rows_q, rows_kv = slice(cu_q[doc], cu_q[doc + 1]), slice(cu_kv[doc], cu_kv[doc + 1])
+        part = [t.detach()[rows].transpose(0, 1).unsqueeze(0).requires_grad_() for t, rows in ((q, rows_q), (k, rows_kv), (v, rows_kv))]
+        i, j = torch.arange(len_q).view(-1, 1) + (len_kv - len_q), torch.arange(len_kv).view(1, -1)
+        visible = (j <= i) & (j >= i - left) if left is not None else j <= i
+        doc_out = F.scaled_dot_product_attention(*part, attn_mask=visible)
+        out[rows_q] = doc_out[0].transpose(0, 1).detach()
+        if grad_out is not None:
+            doc_grads = torch.autograd.grad(doc_out, part, grad_out[rows_q].transpose(0, 1).unsqueeze(0))
+            for grad, doc_grad, rows in zip(grads, doc_grads, (rows_q, rows_kv, rows_kv)):
+                grad[rows] = doc_grad[0].transpose(0, 1)
+    return out, grads if grad_out is not None else None
 
 
 def in_fresh_thread(fn):

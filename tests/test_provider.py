@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 import cudnn_attention
 from cudnn_attention import _compat, provider, sdpa_overrides
-from provider_cpu import DENSE_OPS, VARLEN_OPS, in_fresh_thread, our_ops_on_cpu
+from provider_cpu import DENSE_OPS, VARLEN_OPS, in_fresh_thread, our_ops_on_cpu, per_document_reference
 
 
 def _ours_registered(op: str) -> bool:
@@ -213,16 +213,12 @@ def test_varlen_attn_is_served_with_bottom_right_windows(cpu_kernels):
     out = varlen.varlen_attn(q, k, v, cu_q, cu_kv, max(lengths_q), max(lengths_kv), window_size=(3, 0))
     grad_out = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), grad_out)
-    for doc, (len_q, len_kv) in enumerate(zip(lengths_q, lengths_kv)):  # each document on its own, with the same window
-        rows_q, rows_kv = slice(cu_q[doc], cu_q[doc + 1]), slice(cu_kv[doc], cu_kv[doc + 1])
-        part = [t.detach()[rows].transpose(0, 1).unsqueeze(0).requires_grad_() for t, rows in ((q, rows_q), (k, rows_kv), (v, rows_kv))]
-        # Query i sits at key position i + len_kv - len_q (the last len_q keys), and sees itself and the 3 keys before.
-        i, j = torch.arange(len_q).view(-1, 1) + (len_kv - len_q), torch.arange(len_kv).view(1, -1)
-        expected = F.scaled_dot_product_attention(*part, attn_mask=(j <= i) & (j >= i - 3))
-        torch.testing.assert_close(out[rows_q], expected[0].transpose(0, 1))
-        expected_grads = torch.autograd.grad(expected, part, grad_out[rows_q].transpose(0, 1).unsqueeze(0))
-        for got, want, rows in zip(grads, expected_grads, (rows_q, rows_kv, rows_kv)):
-            torch.testing.assert_close(got[rows], want[0].transpose(0, 1))
+    # Each document on its own, with the same window: query i sits at key position i + len_kv - len_q (the last
+    # len_q keys), and sees itself and the 3 keys before.
+    expected, expected_grads = per_document_reference(q, k, v, cu_q, cu_kv, grad_out, left=3)
+    torch.testing.assert_close(out, expected)
+    for got, want in zip(grads, expected_grads):
+        torch.testing.assert_close(got, want)
     provider_stats = cudnn_attention.stats()["provider"]
     assert provider_stats["varlen_forward"] == 1 and provider_stats["varlen_backward"] == 1
 

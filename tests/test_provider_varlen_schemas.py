@@ -18,11 +18,10 @@ import sys
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import cudnn_attention
 from cudnn_attention import _compat, provider, sdpa_overrides
-from provider_cpu import our_ops_on_cpu
+from provider_cpu import our_ops_on_cpu, per_document_reference
 
 RELEASES = json.loads((pathlib.Path(__file__).parent / "data" / "torch_varlen_schemas.json").read_text())["releases"]
 SUPPORTED = ("2.9", "2.10", "2.11", "2.12", "2.13", "2.14", "2.15")  # pyproject's torch>=2.9, through the newest release
@@ -175,23 +174,6 @@ def _packed(seed):
     return q, k, v, cu_q, cu_kv
 
 
-def _expected(q, k, v, cu_q, cu_kv, grad_out, *, left):
-    """Out and grads per document with torch's math, the diagonal at the last query and key (bottom right);
-    ``left`` keys back visible (None: all, i.e. plain causal)."""
-    out, grads = torch.empty_like(q), [torch.empty_like(t) for t in (q, k, v)]
-    for doc, (len_q, len_kv) in enumerate(zip(LENGTHS_Q, LENGTHS_KV)):
-        rows_q, rows_kv = slice(cu_q[doc], cu_q[doc + 1]), slice(cu_kv[doc], cu_kv[doc + 1])
-        part = [t[rows].transpose(0, 1).unsqueeze(0).requires_grad_() for t, rows in ((q, rows_q), (k, rows_kv), (v, rows_kv))]
-        i, j = torch.arange(len_q).view(-1, 1) + (len_kv - len_q), torch.arange(len_kv).view(1, -1)
-        visible = (j <= i) & (j >= i - left) if left is not None else j <= i
-        doc_out = F.scaled_dot_product_attention(*part, attn_mask=visible)
-        doc_grads = torch.autograd.grad(doc_out, part, grad_out[rows_q].transpose(0, 1).unsqueeze(0))
-        out[rows_q] = doc_out[0].transpose(0, 1).detach()
-        for grad, doc_grad, rows in zip(grads, doc_grads, (rows_q, rows_kv, rows_kv)):
-            grad[rows] = doc_grad[0].transpose(0, 1)
-    return out, grads
-
-
 def _arguments(schema, values: dict) -> list:
     """Every argument by position, as each release's varlen_attn and autograd formula pass them."""
     return [values[argument.name] for argument in schema.arguments]
@@ -215,7 +197,7 @@ def test_each_release_is_served_forward_and_backward(release_kernels, version):
     values, left = _call_values(version)
     out, lse, _rng = ops._varlen_attn(*_arguments(_compat.op_schema(ops._varlen_attn), values))
     grad_out = torch.randn_like(out)
-    expected_out, expected_grads = _expected(
+    expected_out, expected_grads = per_document_reference(
         *(values[name] for name in ("query", "key", "value", "cu_seq_q", "cu_seq_k")), grad_out, left=left
     )
     torch.testing.assert_close(out, expected_out)
@@ -235,9 +217,7 @@ def test_each_release_out_variant_writes_out(release_kernels, version):
     values, left = _call_values(version, seed=1)
     values["out"] = out = torch.full_like(values["query"], float("nan"))
     lse = ops._varlen_attn_out(*_arguments(_compat.op_schema(ops._varlen_attn_out), values))
-    expected_out, _ = _expected(
-        *(values[name] for name in ("query", "key", "value", "cu_seq_q", "cu_seq_k")), torch.ones_like(out), left=left
-    )
+    expected_out, _ = per_document_reference(*(values[name] for name in ("query", "key", "value", "cu_seq_q", "cu_seq_k")), left=left)
     torch.testing.assert_close(out, expected_out)
     assert lse.shape == (HEADS, sum(LENGTHS_Q)) and torch_kernels.calls == []
 

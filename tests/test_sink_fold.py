@@ -29,20 +29,27 @@ def test_fold_gives_the_sink_forward_dense_with_padding_and_empty_rows():
     assert torch.isneginf(lse[1]).all() and out[1].abs().max() == 0  # a sequence with no key is absent
 
 
-def test_fold_gives_the_sink_forward_packed_and_nan_sinks_stay_nan():
-    torch.manual_seed(1)
+def _packed_case(seed: int, window: tuple[int, int], sinks: torch.Tensor):
+    """The sink-less and the sink forward (fp32 reference) of 20 packed tokens: documents of 1, 6, 5 and 5 query tokens
+    (the third has no key) and a capacity tail of 3; with the absent rows, (T, 1)."""
+    torch.manual_seed(seed)
     q, k, v = torch.randn(20, 4, 16), torch.randn(20, 1, 16), torch.randn(20, 1, 16)
     cu_q = torch.tensor([0, 1, 7, 12, 17], dtype=torch.int32)  # a length-1 document and a capacity tail of 3
     cu_kv = torch.tensor([0, 1, 7, 7, 12], dtype=torch.int32)  # the third document has no key
-    mask = make_mask_spec(causal=True, bottom_right=False, window_size=(-1, -1))
-    sinks = torch.tensor([0.5, float("nan"), -1.0, 3.0])
+    mask = make_mask_spec(causal=True, bottom_right=False, window_size=window)
     out, lse = varlen_reference(q, k, v, cu_q, cu_kv, 6, 6, scale=0.25, mask=mask)
     want_out, want_lse = varlen_reference(q, k, v, cu_q, cu_kv, 6, 6, scale=0.25, mask=mask, sinks_H=sinks)
-    absent = _packed_absent_rows(cu_q, cu_kv, 20)
-    assert absent.squeeze(-1).tolist() == [False] * 7 + [True] * 5 + [False] * 5 + [True] * 3
+    return out, lse, want_out, want_lse, _packed_absent_rows(cu_q, cu_kv, 20)
+
+
+def test_fold_gives_the_sink_forward_packed_and_nan_sinks_stay_nan():
+    sinks = torch.tensor([0.5, float("nan"), -1.0, 3.0])
+    out, lse, want_out, want_lse, absent = _packed_case(1, (-1, -1), sinks)
+    rows = absent.squeeze(-1)
+    assert rows.tolist() == [False] * 7 + [True] * 5 + [False] * 5 + [True] * 3
     fold_sinks(out, lse, sinks, absent)
-    assert out[~absent.squeeze(-1)][:, 1].isnan().all() and want_out[~absent.squeeze(-1)][:, 1].isnan().all()
-    assert out[absent.squeeze(-1)].abs().max() == 0 and torch.isneginf(lse[absent.squeeze(-1)]).all()
+    assert out[~rows][:, 1].isnan().all() and want_out[~rows][:, 1].isnan().all()
+    assert out[rows].abs().max() == 0 and torch.isneginf(lse[rows]).all()
     keep = [0, 2, 3]
     torch.testing.assert_close(out[:, keep], want_out[:, keep], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(lse[:, keep], want_lse[:, keep], rtol=1e-5, atol=1e-6)
@@ -51,15 +58,8 @@ def test_fold_gives_the_sink_forward_packed_and_nan_sinks_stay_nan():
 def test_fold_ignores_what_absent_rows_held():
     # On cuDNN the fold's packed output and LSE start unfilled (the kernel leaves absent rows unwritten and the fold
     # writes every row), so whatever those rows hold, NaN here, must come out as zero output and -inf.
-    torch.manual_seed(2)
-    q, k, v = torch.randn(20, 4, 16), torch.randn(20, 1, 16), torch.randn(20, 1, 16)
-    cu_q = torch.tensor([0, 1, 7, 12, 17], dtype=torch.int32)
-    cu_kv = torch.tensor([0, 1, 7, 7, 12], dtype=torch.int32)
-    mask = make_mask_spec(causal=True, bottom_right=False, window_size=(2, 0))
     sinks = torch.tensor([0.5, 2.0, -1.0, 3.0])
-    out, lse = varlen_reference(q, k, v, cu_q, cu_kv, 6, 6, scale=0.25, mask=mask)
-    want_out, want_lse = varlen_reference(q, k, v, cu_q, cu_kv, 6, 6, scale=0.25, mask=mask, sinks_H=sinks)
-    absent = _packed_absent_rows(cu_q, cu_kv, 20)
+    out, lse, want_out, want_lse, absent = _packed_case(2, (2, 0), sinks)
     out.masked_fill_(absent.unsqueeze(-1), float("nan"))
     lse.masked_fill_(absent, float("nan"))
     fold_sinks(out, lse, sinks, absent)

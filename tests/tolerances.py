@@ -8,13 +8,17 @@ __all__ = ["assert_within_lowp_noise", "lowp_noise_bound"]
 
 def lowp_noise_bound(ref: torch.Tensor, lowp: torch.Tensor) -> float:
     """The rule's bound: twice ``lowp``'s error against the fp32 ``ref``, plus 1e-3 of ``ref``'s largest magnitude."""
-    return 2 * (lowp.float() - ref.float()).abs().max().item() + 1e-3 * ref.float().abs().max().item()
+    return _bound_and_terms(ref, lowp)[0]
+
+
+def _bound_and_terms(ref: torch.Tensor, lowp: torch.Tensor) -> tuple[float, float, float]:
+    base = (lowp.float() - ref.float()).abs().max().item()
+    magnitude = ref.float().abs().max().item()
+    return 2 * base + 1e-3 * magnitude, base, magnitude
 
 
 def assert_within_lowp_noise(name: str, got: torch.Tensor, ref: torch.Tensor, lowp: torch.Tensor) -> None:
     """``got`` within the rule, where ``ref`` is the fp32 reference and ``lowp`` the same math in low precision."""
     err = (got.float() - ref.float()).abs().max().item()
-    base = (lowp.float() - ref.float()).abs().max().item()
-    magnitude = ref.float().abs().max().item()
-    bound = lowp_noise_bound(ref, lowp)
+    bound, base, magnitude = _bound_and_terms(ref, lowp)
     assert err <= bound, f"{name}: cuDNN error {err:.3g} > bound {bound:.3g} (torch low-precision error {base:.3g}, |ref| {magnitude:.3g})"
