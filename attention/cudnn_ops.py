@@ -38,16 +38,19 @@ _logger = logging.getLogger(__name__)
 # Specs
 # ----------------------------------------------------------------------------------------------
 
-# How the sink forward runs: "engine" (cuDNN's sink engine) or "fold" (the sink-less kernel, then one
-# fused pass that folds the sinks into its output and LSE, see fused_sinks.fold_sinks). On an H200
-# (cuDNN 9.19, packed gpt-oss shape) the fold takes 1.07-1.14x the sink-less forward against the
-# engine's 2.1-2.2x (fwd+bwd 1.48 against 1.83 ms), but it rounds the output to bf16 twice (max abs
-# error 1.5e-2 against 8.2e-3), and with it the gpt-oss recipe's 20-step loss curve leaves its bound
-# against eager (0.161 and 0.148 in two runs, bound 0.058; the engine passes). Rounding once would need
-# the sink-less kernel to write O in float32: 9.19 builds that graph but writes wrong values (max abs
-# error 4e37 packed, 5.1 dense), so it is not used. The engine stays the default; it declines
-# single-query rows (s_q = 1), which take the fold.
-SINK_FORWARD = os.environ.get("CUDNN_ATTENTION_SINK_FORWARD", "engine")
+# How the sink forward runs: "engine" (cuDNN's sink engine), "fold" (the sink-less kernel, then one fused
+# pass that folds the sinks into its output and LSE, see fused_sinks.fold_sinks), or "auto", the default:
+# the fold for packed calls, the engine for the rest. cuDNN 9.19's fast forward engine (eng2) does not
+# build a ragged graph with sinks, so a packed sink graph runs on eng1: on an H200 at the packed gpt-oss
+# shape 0.65-0.73 ms against 0.338 without sinks (window 128) and 3.16-3.18 ms against 0.833 (causal),
+# while the fold takes 1.07-1.14x the sink-less forward. Dense sink graphs run on eng2 (0.92-1.05x the
+# sink-less forward), and the engine rounds the output to bf16 once where the fold rounds twice (max abs
+# error 8.2e-3 against 1.5e-2; transformers' flex_attention sinks do the same fold, with a bf16 LSE).
+# Rounding once in the fold would need the sink-less kernel to write O in float32: 9.19 builds that graph
+# but writes wrong values (max abs error 4e37 packed, 5.1 dense), so it is not used. The engine declines
+# single-query rows (s_q = 1), which take the fold whatever the setting.
+SINK_FORWARD = os.environ.get("CUDNN_ATTENTION_SINK_FORWARD", "auto")
+_SINK_FORWARD_CHOICES = ("auto", "engine", "fold")
 
 
 class Plan(NamedTuple):
@@ -122,16 +125,23 @@ def resolve_cudnn(q, k, v, call: AttentionCall) -> tuple[Plan | None, str | None
         return None, str(rejected)
 
 
+def _asks_sink_engine(call: AttentionCall) -> bool:
+    """Whether a sink forward tries cuDNN's sink engine before the fold (see ``SINK_FORWARD``)."""
+    if SINK_FORWARD not in _SINK_FORWARD_CHOICES:
+        raise ValueError(f"CUDNN_ATTENTION_SINK_FORWARD={SINK_FORWARD!r}: expected one of {', '.join(_SINK_FORWARD_CHOICES)}")
+    return SINK_FORWARD == "engine" or (SINK_FORWARD == "auto" and not call.packed)
+
+
 def _plan(q, k, v, call: AttentionCall, deterministic: bool) -> Plan:
     """Raises :class:`GraphRejected`.
 
-    Sinks: cuDNN's sink engine (``SINK_FORWARD = "engine"``), which declines some shapes (9.19: a
-    single query row, ``s_q == 1``, every gpt-oss decode step), or the sink-less graph plus
-    :func:`fold_sinks`, which serves those too. The backward never needs the sinks in its graph.
+    Sinks: cuDNN's sink engine (dense calls, by default), which declines some shapes (9.19: a single
+    query row, ``s_q == 1``, every gpt-oss decode step), or the sink-less graph plus :func:`fold_sinks`
+    (packed calls, by default), which serves those too. The backward never needs the sinks in its graph.
     """
     forward = None
     folds = call.has_sinks
-    if call.has_sinks and SINK_FORWARD == "engine":
+    if call.has_sinks and _asks_sink_engine(call):
         try:
             forward, folds = _graph_for("forward", q, k, v, call, False), False
         except GraphRejected:

@@ -14,6 +14,7 @@ pytestmark = pytest.mark.gpu
 STEPS = 20
 # Eager materializes every (query, key) score: 4096 tokens per step keeps it small on the small preset.
 COMPARE_TOKENS = "4096"
+SEEDS = (0, 1, 2)  # model init and batch order
 
 
 def _recipe(name: str):
@@ -50,17 +51,23 @@ def test_loss_curve_against_eager_within_what_another_fused_kernel_shows(recipe,
     # Same seed, weights and batches: the runs differ only in how each kernel rounds in bf16, and training amplifies
     # that (for gpt-oss, bf16 top-2 expert routing flips on near ties). What another fused kernel shows against eager
     # in the same run is the yardstick: sdpa for Mistral, flex_attention for gpt-oss (transformers has no sdpa for it).
+    # A routing flip lands at a random step for any kernel, so one seed is a noisy verdict: over the first 20 steps
+    # flex_attention was 0.0054 / 0.0223 / 0.0139 from eager for seeds 0 / 1 / 2, and the sink fold, which rounds as
+    # transformers' flex_attention sinks do, 0.106 / 0.0220 / 0.0131 (cuDNN's sink engine 0.023 / 0.008 / 0.008). So,
+    # as in the loss suite (benchmarks/recipe_training.py), the verdict compares means over seeds, with a floor of 1%
+    # of the first loss (about 0.058). cuDNN's wrong dQ for gpt-oss's head-major q put one seed 0.372 from eager.
     args = ["--size", "small", "--max_steps", str(STEPS), "--tokens_per_step", COMPARE_TOKENS, "--compare", "eager", fused]
-    payload = _recipe(recipe).main([*args, "--output_dir", str(tmp_path)])
-    distances = payload["loss_max_abs_diff_vs_eager"]
-    first = {name: run["first_loss"] for name, run in payload["runs"].items()}
-    # One run of another kernel is a noisy yardstick for gpt-oss: a routing flip lands at a random step. Over the
-    # first 20 steps flex_attention was 0.0054 from eager in one run of this test and 0.164 in the loss suite's
-    # 200-step run (cudnn 0.030 and 0.066). So the bound has a floor of 1% of the first loss (about 0.058);
-    # cuDNN's wrong dQ for gpt-oss's head-major q put it 0.372 from eager here.
-    assert distances["cudnn"] <= max(2 * distances[fused] + 2e-3, 0.01 * first["eager"]), distances
-    # The first loss comes before any update: the forward alone, before training amplifies any difference.
-    assert abs(first["cudnn"] - first["eager"]) <= 2 * abs(first[fused] - first["eager"]) + 2e-3 * abs(first["eager"]), first
+    distances, first_eager = {"cudnn": [], fused: []}, []
+    for seed in SEEDS:
+        payload = _recipe(recipe).main([*args, "--seed", str(seed), "--output_dir", str(tmp_path / f"seed{seed}")])
+        for name, runs in distances.items():
+            runs.append(payload["loss_max_abs_diff_vs_eager"][name])
+        first = {name: run["first_loss"] for name, run in payload["runs"].items()}
+        first_eager.append(first["eager"])
+        # The first loss comes before any update: the forward alone, before training amplifies any difference.
+        assert abs(first["cudnn"] - first["eager"]) <= 2 * abs(first[fused] - first["eager"]) + 2e-3 * abs(first["eager"]), (seed, first)
+    mean = {name: sum(runs) / len(runs) for name, runs in distances.items()}
+    assert mean["cudnn"] <= max(2 * mean[fused] + 2e-3, 0.01 * min(first_eager)), distances
 
 
 @pytest.mark.parametrize("family", ["mistral", "gpt_oss"])

@@ -1,10 +1,13 @@
-"""The sink fold that serves the sink forward on the sink-less kernel (the default) and what cuDNN's sink
-engine declines (single-query decode): the sink-less (out, lse) folded with the sinks equals the sink
+"""The sink fold that serves the sink forward on the sink-less kernel (packed calls by default) and what cuDNN's
+sink engine declines (single-query decode): the sink-less (out, lse) folded with the sinks equals the sink
 forward, on the fp32 reference (CPU), including rows whose window leaves them no key (they see the sink
 alone) and absent rows (padding, capacity tails, documents without keys: they see no sink)."""
 
+import pytest
 import torch
 
+from cudnn_attention import cudnn_ops
+from cudnn_attention.call import AttentionCall
 from cudnn_attention.cudnn_ops import _packed_absent_rows
 from cudnn_attention.fused_sinks import fold_sinks
 from cudnn_attention.masking import effective_lengths, make_mask_spec
@@ -65,3 +68,33 @@ def test_fold_ignores_what_absent_rows_held():
     fold_sinks(out, lse, sinks, absent)
     torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("setting", "packed", "engine_first"),
+    [("auto", True, False), ("auto", False, True), ("engine", True, True), ("engine", False, True), ("fold", False, False)],
+)
+def test_sink_forward_setting_picks_the_graph(monkeypatch, setting, packed, engine_first):
+    # By default packed sink forwards fold (cuDNN 9.19's fast engine builds no ragged sink graph; its slower
+    # one takes 2-4x the sink-less forward) and dense ones ask the sink engine first.
+    requested = []
+
+    def graph_for(direction, q, k, v, call, deterministic):
+        requested.append((direction, call.has_sinks, call.need_lse))
+        return direction
+
+    monkeypatch.setattr(cudnn_ops, "SINK_FORWARD", setting)
+    monkeypatch.setattr(cudnn_ops, "_graph_for", graph_for)
+    mask = make_mask_spec(causal=True, bottom_right=False, window_size=(-1, -1))
+    call = AttentionCall(packed, False, 2 if packed else 0, 8, 8, 0.25, mask, True, False, True)
+    q = torch.zeros(16, 2, 8) if packed else torch.zeros(1, 2, 8, 8)
+    plan = cudnn_ops._plan(q, q, q, call, False)
+    forward = ("forward", True, False) if engine_first else ("forward", False, True)  # the fold needs the sink-less LSE
+    assert requested == [forward, ("backward", True, False)] and plan.folds_sinks is not engine_first
+
+
+def test_unknown_sink_forward_setting_is_named(monkeypatch):
+    monkeypatch.setattr(cudnn_ops, "SINK_FORWARD", "fused")
+    call = AttentionCall(True, False, 1, 8, 8, 0.25, make_mask_spec(causal=True, bottom_right=False, window_size=(-1, -1)), True, False, False)
+    with pytest.raises(ValueError, match="CUDNN_ATTENTION_SINK_FORWARD='fused'"):
+        cudnn_ops._plan(torch.zeros(8, 1, 8), torch.zeros(8, 1, 8), torch.zeros(8, 1, 8), call, False)
