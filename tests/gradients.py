@@ -1,11 +1,6 @@
 """Whole-model gradient comparison shared by the GPU tests: cuDNN in bf16 against eager in fp32, within eager bf16's own error."""
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-
-from gradient_accuracy import parameter_gradients, recipe_batches, recipe_gradients, relative_error  # noqa: E402
+from gradient_accuracy import parameter_gradients, recipe_batches, recipe_gradients, relative_error
 
 __all__ = ["gradient_mismatches", "parameter_gradients", "recipe_batches", "recipe_gradients", "relative_error"]
 

@@ -3,13 +3,9 @@
 import itertools
 import json
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # what `python benchmarks/end_to_end.py` does
 
 import end_to_end
 

@@ -3,8 +3,6 @@ documents apart, compare mode against eager agrees to fp32 rounding, and local m
 
 import importlib
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -12,7 +10,7 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("matplotlib")
 
-from cudnn_attention.recipes.common import (  # noqa: E402
+from cudnn_attention.recipes.common import (
     STATS_KEY,
     ByteTokenizer,
     PackedCollator,
@@ -23,9 +21,6 @@ from cudnn_attention.recipes.common import (  # noqa: E402
     model_shape,
     pack_documents,
 )
-
-# The benchmarks are scripts, not a package: their folder goes on the path the way `python3 benchmarks/<script>.py` puts it.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 STEPS = 3
 TINY_TOKENS = 1024  # the tiny preset's budget

@@ -16,8 +16,8 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("matplotlib")
 
-from cudnn_attention.recipes import quickstart, train_lightning, train_sliding_window  # noqa: E402
-from cudnn_attention.recipes.common import (  # noqa: E402
+from cudnn_attention.recipes import quickstart, train_lightning, train_sliding_window
+from cudnn_attention.recipes.common import (
     RecipeDataWarning,
     RecipeError,
     RunResult,
@@ -29,7 +29,7 @@ from cudnn_attention.recipes.common import (  # noqa: E402
     load_tokenizer,
     warn_if_repeated,
 )
-from cudnn_attention.recipes.common.hf_trainer import parse  # noqa: E402
+from cudnn_attention.recipes.common.hf_trainer import parse
 
 ROOT = Path(__file__).resolve().parents[1]
 LIGHTNING_QUIET = ["--trainer.enable_progress_bar=false"]
@@ -155,7 +155,6 @@ def test_a_mistake_on_the_command_line_ends_in_one_line_without_a_traceback(tmp_
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the benchmarks' refusal is for machines without a GPU")
 @pytest.mark.parametrize(("script", "argv"), [("recipe_training", ["--suite", "speed"]), ("gradient_accuracy", [])])
 def test_benchmarks_without_a_gpu_point_to_quick(script, argv, capsys):
-    sys.path.insert(0, str(ROOT / "benchmarks"))  # the benchmarks are scripts, not a package
     benchmark = __import__(script)
     with pytest.raises(SystemExit) as stopped:
         benchmark.main(argv)
