@@ -43,8 +43,8 @@ _logger = logging.getLogger(__name__)
 # the fold for packed calls, the engine for the rest. cuDNN 9.19's fast forward engine (eng2) does not
 # build a ragged graph with sinks, so a packed sink graph runs on eng1: on an H200 at the packed gpt-oss
 # shape 0.65-0.73 ms against 0.338 without sinks (window 128) and 3.16-3.18 ms against 0.833 (causal),
-# while the fold takes 1.07-1.14x the sink-less forward. Dense sink graphs run on eng2 (0.92-1.05x the
-# sink-less forward), and the engine rounds the output to bf16 once where the fold rounds twice (max abs
+# while the fold takes 1.02-1.14x the sink-less forward. Dense sink graphs take 0.92-1.05x the sink-less
+# forward, and the engine rounds the output to bf16 once where the fold rounds twice (max abs
 # error 8.2e-3 against 1.5e-2; transformers' flex_attention sinks do the same fold, with a bf16 LSE).
 # Rounding once in the fold would need the sink-less kernel to write O in float32: 9.19 builds that graph
 # but writes wrong values (max abs error 4e37 packed, 5.1 dense), so it is not used. The engine declines
