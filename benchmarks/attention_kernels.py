@@ -224,8 +224,10 @@ def host_overhead_us(iters=2000) -> dict:
 def sink_forward_comparison(case: Case) -> dict:
     """The sink forward two ways at ``case``'s shape: cuDNN's sink engine, and the sink-less kernel plus the LSE
     fold (``cudnn_ops.SINK_FORWARD``), against the same graph without sinks; with each one's error against fp32
-    attention on the same inputs (max abs, output); ``"default"`` is the way this process runs."""
+    attention on the same inputs (max abs, output), and the engine plan of each graph it ran (the cache is
+    emptied before each way, so they are the graphs that way needs); ``"default"`` is the way this process runs."""
     from cudnn_attention import cudnn_ops
+    from cudnn_attention.cudnn_graphs import clear_cache
     from cudnn_attention.masking import make_mask_spec
     from cudnn_attention.reference import varlen_reference
 
@@ -239,10 +241,13 @@ def sink_forward_comparison(case: Case) -> dict:
     result = {"default": saved}
     try:
         with torch.no_grad():
-            result["no sinks"] = {"fwd_ms": cuda_time_ms(lambda: run(None))}
+            clear_cache()
+            result["no sinks"] = {"fwd_ms": cuda_time_ms(lambda: run(None)), "plans": plan_names()}
             for way in ("engine", "fold"):
                 cudnn_ops.SINK_FORWARD = way
-                result[way] = {"fwd_ms": cuda_time_ms(lambda: run(sinks)), "max_abs_err": (run(sinks).float() - reference).abs().max().item()}
+                clear_cache()
+                error = (run(sinks).float() - reference).abs().max().item()
+                result[way] = {"fwd_ms": cuda_time_ms(lambda: run(sinks)), "max_abs_err": error, "plans": plan_names()}
     finally:
         cudnn_ops.SINK_FORWARD = saved
     for way in ("engine", "fold"):
@@ -273,8 +278,8 @@ def markdown(cases, host, sinks=None) -> str:
     lines += ["", "Host microseconds per call, B=H=1, S=128, D=64 (packed: two documents of 64):", "", "| implementation | no-grad forward | grad forward | backward |", "|---|---|---|---|"]
     lines += [f"| {name} | {r['no-grad forward']:.1f} | {r['grad forward']:.1f} | {r['backward']:.1f} |" for name, r in host.items()]
     for name, ways in (sinks or {}).items():
-        lines += ["", f"Sink forward at {name} (setting: {ways['default']}):", "", "| way | fwd ms | vs no sinks | max abs err vs fp32 |", "|---|---|---|---|"]
-        lines += [f"| {way} | {r['fwd_ms']:.3f} | {r.get('vs no sinks', 1.0):.2f}x | {r.get('max_abs_err', float('nan')):.2e} |"
+        lines += ["", f"Sink forward at {name} (setting: {ways['default']}):", "", "| way | fwd ms | vs no sinks | max abs err vs fp32 | engine plans |", "|---|---|---|---|---|"]
+        lines += [f"| {way} | {r['fwd_ms']:.3f} | {r.get('vs no sinks', 1.0):.2f}x | {r.get('max_abs_err', float('nan')):.2e} | {', '.join(r['plans'])} |"
                   for way, r in ways.items() if way != "default"]  # fmt: skip
     return "\n".join(lines)
 
