@@ -70,6 +70,13 @@ def test_fold_ignores_what_absent_rows_held():
     torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-6)
 
 
+def _sink_call(*, packed: bool, needs_grad: bool) -> tuple[torch.Tensor, AttentionCall]:
+    """A causal sink call of 16 packed tokens in 2 documents, or a dense (1, 2, 8, 8) one, with its q (also k and v)."""
+    mask = make_mask_spec(causal=True, bottom_right=False, window_size=(-1, -1))
+    q = torch.zeros(16, 2, 8) if packed else torch.zeros(1, 2, 8, 8)
+    return q, AttentionCall(packed, False, 2 if packed else 0, 8, 8, 0.25, mask, True, False, needs_grad)
+
+
 @pytest.mark.parametrize(
     ("setting", "packed", "engine_first"),
     [("auto", True, False), ("auto", False, True), ("engine", True, True), ("engine", False, True), ("fold", False, False)],
@@ -85,9 +92,7 @@ def test_sink_forward_setting_picks_the_graph(monkeypatch, setting, packed, engi
 
     monkeypatch.setattr(cudnn_ops, "SINK_FORWARD", setting)
     monkeypatch.setattr(cudnn_ops, "_graph_for", graph_for)
-    mask = make_mask_spec(causal=True, bottom_right=False, window_size=(-1, -1))
-    call = AttentionCall(packed, False, 2 if packed else 0, 8, 8, 0.25, mask, True, False, True)
-    q = torch.zeros(16, 2, 8) if packed else torch.zeros(1, 2, 8, 8)
+    q, call = _sink_call(packed=packed, needs_grad=True)
     plan = cudnn_ops._plan(q, q, q, call, False)
     forward = ("forward", True, False) if engine_first else ("forward", False, True)  # the fold needs the sink-less LSE
     assert requested == [forward, ("backward", True, False)] and plan.folds_sinks is not engine_first
@@ -95,6 +100,6 @@ def test_sink_forward_setting_picks_the_graph(monkeypatch, setting, packed, engi
 
 def test_unknown_sink_forward_setting_is_named(monkeypatch):
     monkeypatch.setattr(cudnn_ops, "SINK_FORWARD", "fused")
-    call = AttentionCall(True, False, 1, 8, 8, 0.25, make_mask_spec(causal=True, bottom_right=False, window_size=(-1, -1)), True, False, False)
+    q, call = _sink_call(packed=True, needs_grad=False)
     with pytest.raises(ValueError, match="CUDNN_ATTENTION_SINK_FORWARD='fused'"):
-        cudnn_ops._plan(torch.zeros(8, 1, 8), torch.zeros(8, 1, 8), torch.zeros(8, 1, 8), call, False)
+        cudnn_ops._plan(q, q, q, call, False)
