@@ -37,8 +37,9 @@ from torch.autograd import DeviceType
 
 import cudnn_attention
 from cudnn_attention.recipes.common.compare import skip_reason
-from cudnn_attention.recipes.common.config import ModelShape
+from cudnn_attention.recipes.common.config import ModelShape, model_shape
 from cudnn_attention.recipes.common.model import build_model as build_recipe_model
+from cudnn_attention.recipes.common.reporting import fallback_reasons
 
 IMPLEMENTATIONS = ("cudnn", "flex_attention", "sdpa", "eager")
 FLASH_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
@@ -64,33 +65,33 @@ class Setup:
 
     name: str
     family: str  # "llama" or "gpt_oss"
-    layers: int
-    hidden: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    intermediate: int
+    shape: ModelShape
     tokens: int
     doc_range: tuple[int, int]
     lead_document: int = 0
-    window: int | None = None
-    experts: int = 0
     vocab: int = 32000
 
 
-# intermediate 5632 = TinyLlama's 2.75 x hidden; gpt-oss's per-expert width 1024 as in recipes' "small" preset.
+def preset_shape(*, family: str, size: str, **changes) -> ModelShape:
+    """The recipes' ``size`` preset of ``family`` with ``changes``, every token routed to every expert (:func:`build_model`
+    says why)."""
+    shape = model_shape(family=family, size=size)
+    return dataclasses.replace(shape, experts_per_token=shape.experts, **changes)
+
+
+# The recipes' presets, so that the benchmark measures the models the recipes train.
 SETUPS = {
-    "llama": Setup("llama", "llama", 8, 2048, 16, 4, 128, 5632, 16384, (256, 4096)),
-    "gpt-oss": Setup("gpt-oss", "gpt_oss", 4, 1024, 16, 4, 64, 1024, 16384, (256, 4096), window=128, experts=4),
-    "long": Setup("long", "llama", 4, 2048, 16, 4, 128, 5632, 49152, (2048, 8192), lead_document=16384),
+    "llama": Setup("llama", "llama", preset_shape(family="llama", size="small"), 16384, (256, 4096)),
+    "gpt-oss": Setup("gpt-oss", "gpt_oss", preset_shape(family="gpt_oss", size="small"), 16384, (256, 4096)),
+    "long": Setup("long", "llama", preset_shape(family="llama", size="long"), 49152, (2048, 8192), lead_document=16384),
 }
 
 
 def quick(setup: Setup) -> Setup:
     """The tiny version of ``setup`` for the CPU plumbing run."""
-    return dataclasses.replace(setup, layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, tokens=256,
-                               doc_range=(16, 96), lead_document=128 if setup.lead_document else 0,
-                               window=16 if setup.window else None, vocab=256)  # fmt: skip
+    shape = preset_shape(family=setup.family, size="tiny", window=16 if setup.shape.window else None)
+    return dataclasses.replace(setup, shape=shape, tokens=256, doc_range=(16, 96), lead_document=128 if setup.lead_document else 0,
+                               vocab=256)  # fmt: skip
 
 
 def build_model(setup: Setup, device: str):
@@ -98,9 +99,7 @@ def build_model(setup: Setup, device: str):
     with even-numbered layers sliding, learnable sinks in every layer and its masks kept per document (the
     recipes' ``packing_safe_masks``). Every token goes to every expert, so routing near-ties (which bf16
     rounding flips differently per implementation) change nothing."""
-    shape = ModelShape(hidden=setup.hidden, layers=setup.layers, heads=setup.heads, kv_heads=setup.kv_heads, head_dim=setup.head_dim,
-                       intermediate=setup.intermediate, window=setup.window, experts=setup.experts, experts_per_token=setup.experts)  # fmt: skip
-    return build_recipe_model(attn_implementation="eager", family=setup.family, shape=shape, vocab_size=setup.vocab,
+    return build_recipe_model(attn_implementation="eager", family=setup.family, shape=setup.shape, vocab_size=setup.vocab,
                               max_positions=max(setup.tokens, 4096), device=device, dtype=torch.bfloat16, seed=0)  # fmt: skip
 
 
@@ -247,9 +246,8 @@ def run_one(model, initial: dict, setup: Setup, impl: str, packing: str, batches
         row["error"] = described(error)
     if impl == "cudnn":
         row["cudnn_stats"] = cudnn_attention.stats()
-        fallbacks = {**row["cudnn_stats"].get("fallback_forward", {}), **row["cudnn_stats"].get("fallback_backward", {})}
-        if fallbacks:
-            notes.append(f"exact fallback: {', '.join(sorted(fallbacks))}")
+        if reasons := fallback_reasons(row["cudnn_stats"]):
+            notes.append(f"exact fallback: {', '.join(reasons)}")
         elif row["cudnn_stats"].get("cudnn_forward"):
             notes.append("cuDNN served every call")
     row["note"] = "; ".join(notes)
@@ -302,10 +300,11 @@ def markdown(rows: list[dict], header: list[str]) -> str:
 
 
 def describe(setup: Setup) -> str:
+    shape = setup.shape
     lead = f", one of {setup.lead_document:,} in every step" if setup.lead_document else ""
-    extra = f", window {setup.window} on even layers, sinks, {setup.experts} experts (all used)" if setup.family == "gpt_oss" else ""
-    return (f"{setup.name}: {setup.family}, {setup.layers} layers, hidden {setup.hidden}, {setup.heads}/{setup.kv_heads} heads x {setup.head_dim}, "
-            f"MLP {setup.intermediate}{extra}, vocab {setup.vocab}; {setup.tokens:,} tokens per step in one row, documents of "
+    extra = f", window {shape.window} on even layers, sinks, {shape.experts} experts (all used)" if setup.family == "gpt_oss" else ""
+    return (f"{setup.name}: {setup.family}, {shape.layers} layers, hidden {shape.hidden}, {shape.heads}/{shape.kv_heads} heads x {shape.head_dim}, "
+            f"MLP {shape.intermediate}{extra}, vocab {setup.vocab}; {setup.tokens:,} tokens per step in one row, documents of "
             f"{setup.doc_range[0]}-{setup.doc_range[1]}{lead}.")  # fmt: skip
 
 

@@ -18,6 +18,7 @@ import warnings
 import cudnn_attention
 import torch
 import torch.nn.functional as F
+from cudnn_attention.recipes.common.reporting import fallback_reasons
 
 __all__ = ["check", "main"]
 
@@ -63,7 +64,7 @@ def check(*, batch: int = 2, heads: int = 16, kv_heads: int = 4, seq: int = 1024
 def _served(stats: dict) -> str:
     if stats["cudnn_forward"] and stats["cudnn_backward"]:
         return f"cuDNN ({stats['cudnn_forward']} forward, {stats['cudnn_backward']} backward call)"
-    reasons = ", ".join(sorted({**stats["fallback_forward"], **stats["fallback_backward"]})) or "unknown"
+    reasons = ", ".join(fallback_reasons(stats)) or "unknown"
     return f"the exact PyTorch fallback, not cuDNN ({reasons})"
 
 

@@ -41,7 +41,7 @@ from cudnn_attention.recipes.common.errors import run_command
 from cudnn_attention.recipes.common.flops import step_flops_of
 from cudnn_attention.recipes.common.model import build_model
 from cudnn_attention.recipes.common.reporting import RunResult, announce_run, fallback_announced, finish, format_mfu, format_rate
-from cudnn_attention.recipes.common.run_dirs import checked_output_dir, kept_folder, new_run_dir, remove_empty_dirs
+from cudnn_attention.recipes.common.run_dirs import checked_output_dir, new_run_dir, remove_empty_dirs
 from cudnn_attention.recipes.common.steps import StepRecorder
 from cudnn_attention.recipes.common.tokenizer import load_tokenizer
 from lightning.pytorch import Callback, LightningModule
@@ -213,8 +213,7 @@ class RecipeCLI(LightningCLI):
             config.trainer.default_root_dir = str(new_run_dir(RECIPE, create=False))
             self.keep = Path.cwd()
         else:
-            root = checked_output_dir(config.trainer.default_root_dir, overwrite=config.overwrite_output_dir)
-            self.keep = kept_folder(root)
+            _, self.keep = checked_output_dir(config.trainer.default_root_dir, overwrite=config.overwrite_output_dir)
         callbacks = config.trainer.callbacks or []
         chosen_bar = any("ProgressBar" in str(getattr(callback, "class_path", callback)) for callback in callbacks)
         if config.trainer.enable_progress_bar is not False and not chosen_bar:

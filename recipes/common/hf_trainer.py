@@ -23,7 +23,7 @@ from .data import STATS_KEY, PackedCollator, build_dataset
 from .flops import step_flops_of
 from .model import build_model
 from .reporting import RunResult, announce_run, fallback_announced, finish, format_mfu, format_rate
-from .run_dirs import checked_output_dir, kept_folder, new_run_dir, remove_empty_dirs
+from .run_dirs import checked_output_dir, new_run_dir, remove_empty_dirs
 from .steps import StepRecorder
 from .tokenizer import load_tokenizer
 
@@ -160,8 +160,7 @@ def _distributed(trainer) -> str:
 def _run_dir(args, run_options: RunOptions, *, recipe: str, main_process: bool) -> tuple[Path, Path]:
     """The run's folder and the folder that stays if the run leaves nothing there (see ``remove_empty_dirs``)."""
     if args.output_dir is not None:
-        path = checked_output_dir(args.output_dir, overwrite=run_options.overwrite_output_dir)
-        return path, kept_folder(path)
+        return checked_output_dir(args.output_dir, overwrite=run_options.overwrite_output_dir)
     from accelerate.utils import broadcast_object_list
 
     # The main process names and creates the folder; every rank needs the same one (FSDP saves a shard from each).

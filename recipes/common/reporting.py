@@ -15,8 +15,9 @@ from pathlib import Path
 from .data import warn_if_repeated
 from .run_dirs import RESULTS
 
-__all__ = ["IMPLEMENTATION_COLORS", "RunResult", "announce_run", "comparison", "describe_comparison", "draw_losses", "fallback_announced", "finish",
-           "format_mfu", "format_rate", "header", "plot_losses", "rates", "served_by", "step_columns", "step_row", "warmup_steps", "write_metrics"]  # fmt: skip
+__all__ = ["IMPLEMENTATION_COLORS", "RunResult", "announce_run", "comparison", "describe_comparison", "draw_losses", "fallback_announced",
+           "fallback_reasons", "finish", "format_mfu", "format_rate", "header", "plot_losses", "rates", "served_by", "step_columns",
+           "step_row", "warmup_steps", "write_metrics"]  # fmt: skip
 
 _GIB = 2**30
 # One colour per implementation in every panel and every plot of the recipes and their benchmarks.
@@ -176,6 +177,11 @@ def served_by(stats: dict, *, implementation: str) -> str:
         reasons = ", ".join(f"{reason}: {count}" for reason, count in fallback.items())
         parts.append(f"the exact PyTorch fallback, not cuDNN ({reasons} forward calls)")
     return " and ".join(parts) or f"transformers' {implementation!r} (no cudnn_attention call)"
+
+
+def fallback_reasons(stats: dict) -> list[str]:
+    """Why the exact fallback served forward or backward calls, from ``cudnn_attention.stats()``, sorted; empty when it served none."""
+    return sorted({**stats.get("fallback_forward", {}), **stats.get("fallback_backward", {})})
 
 
 def write_metrics(path: str | Path, payload: dict) -> Path:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from .errors import RecipeError
 
-__all__ = ["checked_output_dir", "kept_folder", "new_run_dir", "remove_empty_dirs"]
+__all__ = ["checked_output_dir", "new_run_dir", "remove_empty_dirs"]
 
 RESULTS = "metrics.json"  # what marks a folder as holding a finished run
 
@@ -31,17 +31,15 @@ def new_run_dir(recipe: str, *, root: str | Path = "runs", create: bool = True) 
     raise RecipeError(f"{base} holds 999 runs started at {stamp}: pass --output_dir")
 
 
-def checked_output_dir(output_dir: str | Path, *, overwrite: bool) -> Path:
-    """``output_dir``, unless it holds a finished run (its ``metrics.json``) and ``overwrite`` is false."""
+def checked_output_dir(output_dir: str | Path, *, overwrite: bool) -> tuple[Path, Path]:
+    """``(output_dir, keep)``: ``output_dir`` unless it holds a finished run (its ``metrics.json``) and ``overwrite`` is false,
+    and the folder that stays if the run leaves nothing there (:func:`remove_empty_dirs`): ``output_dir`` when it exists
+    already, else its parent. Call it before the run creates anything there, so that what exists is the user's."""
     path = Path(output_dir)
     if not overwrite and (path / RESULTS).exists():
         raise RecipeError(f"{path} already holds a run ({RESULTS}): pass another output directory, or --overwrite_output_dir to replace it")
-    return path
-
-
-def kept_folder(output_dir: Path) -> Path:
-    """The folder that stays if a run leaves nothing in ``output_dir``: itself when it existed before the run, else its parent."""
-    return output_dir if output_dir.exists() else output_dir.parent
+    keep = path if path.exists() else path.parent
+    return path, keep
 
 
 def remove_empty_dirs(path: str | Path, *, keep: str | Path) -> None:
