@@ -6,9 +6,9 @@ Triton is imported) when Triton is installed; on a GPU they run compiled (``gpu`
 import importlib
 import os
 import subprocess
-import sys
 
 import pytest
+from child_process import run_python
 
 CHECK = r'''
 import sys, torch
@@ -35,10 +35,10 @@ def cases():
     absent[8:] = True
     yield out, lse, absent
 
+fused_sinks._fused = lambda *a: False  # fold_sinks and sink_gradient take their torch-op definitions; _launch_* run the kernels
 for sinks in (torch.randn(3, device=device), torch.tensor([0.5, float("nan"), float("-inf")], device=device)):
     for out, lse, absent in cases():
         want_out, want_lse = out.clone(), lse.clone()
-        fused_sinks._fused = lambda *a: False
         fused_sinks.fold_sinks(want_out, want_lse, sinks, absent)
         grad = torch.randn(out.shape, device=device).to(out.dtype)
         grad = torch.empty_strided(out.shape, out.stride(), dtype=out.dtype, device=device).copy_(grad)
@@ -65,7 +65,7 @@ print("fused sink passes agree")
 
 
 def _run(device: str, env: dict) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", CHECK, device], capture_output=True, text=True, env={**os.environ, **env}, timeout=600)
+    return run_python(CHECK, device, env={**os.environ, **env}, timeout=600)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed (CUDA builds of torch ship it)")

@@ -63,11 +63,12 @@ def _check_against_references(run_cudnn, run_reference, options, q, k, v, sinks)
     assert cudnn_attention.stats()["cudnn_forward"] == 1 and cudnn_attention.stats()["cudnn_backward"] == 1
     mask = make_mask_spec(causal=options.get("causal", False), bottom_right=options.get("bottom_right", False),
                           window_size=options.get("window_size", (-1, -1)))  # fmt: skip
+    scale = q.shape[-1] ** -0.5 if options.get("scale") is None else options["scale"]  # the call's scale; None: 1 / sqrt(D)
     results = {}
     for dtype in (torch.float32, q.dtype):
         leaves = [t.detach().clone().to(dtype).requires_grad_() for t in (q, k, v)]
         sink_leaf = None if sinks is None else sinks.detach().clone().to(dtype).requires_grad_()
-        ref, _ = run_reference(*leaves, scale=q.shape[-1] ** -0.5, mask=mask, sinks_H=sink_leaf, compute_dtype=dtype)
+        ref, _ = run_reference(*leaves, scale=scale, mask=mask, sinks_H=sink_leaf, compute_dtype=dtype)
         results[dtype] = (ref, _grads(ref, (*leaves, sink_leaf), grad_out.to(ref.dtype)))
     (ref, ref_grads), (lowp, lowp_grads) = results[torch.float32], results[q.dtype]
     assert_within_lowp_noise("out", out, ref, lowp)

@@ -8,6 +8,7 @@ import torch
 import cudnn_attention
 
 transformers = pytest.importorskip("transformers")
+from child_process import run_python  # noqa: E402
 from gradients import gradient_mismatches, parameter_gradients  # noqa: E402
 from hf_models import MODELS, VOCAB, build, documents, packed_batch, padded_batch  # noqa: E402
 from tolerances import assert_within_lowp_noise, lowp_noise_bound  # noqa: E402
@@ -20,6 +21,19 @@ def gpu_model(name, impl, dtype=torch.bfloat16):
     return build(name, impl, dtype=dtype, device=DEVICE, head_dim=64, moe_top_k=4)
 
 
+def _within_noise_of_eager(name, what, valid=None, **inputs):
+    """The logits of ``name`` on ``inputs`` (passed as given) on cuDNN in bf16, within bf16 noise of eager in fp32 (at
+    ``valid`` positions); the stats then count the cuDNN model's calls alone."""
+    with torch.no_grad():
+        ref = gpu_model(name, "eager", torch.float32)(**inputs).logits
+        eager = gpu_model(name, "eager")(**inputs).logits
+        cudnn_attention.reset_stats()
+        got = gpu_model(name, "cudnn")(**inputs).logits
+    if valid is not None:
+        ref, eager, got = ref[valid], eager[valid], got[valid]
+    assert_within_lowp_noise(f"{name} {what}", got, ref, eager)
+
+
 @pytest.mark.parametrize("name", MODELS)
 @pytest.mark.parametrize("padding", ["none", "left"])
 def test_models_run_on_cudnn_within_bf16_noise(name, padding):
@@ -28,13 +42,7 @@ def test_models_run_on_cudnn_within_bf16_noise(name, padding):
     mask = torch.ones_like(ids)
     if padding == "left":
         mask[1, :37] = 0
-    with torch.no_grad():
-        ref = gpu_model(name, "eager", torch.float32)(ids, attention_mask=mask).logits
-        eager = gpu_model(name, "eager")(ids, attention_mask=mask).logits
-        cudnn_attention.reset_stats()
-        got = gpu_model(name, "cudnn")(ids, attention_mask=mask).logits
-    valid = mask.bool()
-    assert_within_lowp_noise(f"{name} {padding}", got[valid], ref[valid], eager[valid])
+    _within_noise_of_eager(name, padding, valid=mask.bool(), input_ids=ids, attention_mask=mask)
     stats = cudnn_attention.stats()
     if name == "gemma2":  # softcapping: the eager-equivalent path, visibly
         assert stats["fallback_forward"] == {"transformers: logit softcapping": 2}
@@ -134,24 +142,13 @@ def _masks(kind: str) -> torch.Tensor:
     return mask.to(DEVICE)
 
 
-def _within_noise_of_eager(name, what, valid=None, **inputs):
-    with torch.no_grad():
-        ref = gpu_model(name, "eager", torch.float32)(**inputs, use_cache=False).logits
-        eager = gpu_model(name, "eager")(**inputs, use_cache=False).logits
-        cudnn_attention.reset_stats()
-        got = gpu_model(name, "cudnn")(**inputs, use_cache=False).logits
-    if valid is not None:
-        ref, eager, got = ref[valid], eager[valid], got[valid]
-    assert_within_lowp_noise(f"{name} {what}", got, ref, eager)
-
-
 @pytest.mark.parametrize("name", MODELS)
 @pytest.mark.parametrize("kind", ["trailing", "gap"])
 def test_padding_patterns_within_bf16_noise(name, kind):
     torch.manual_seed(1)
     ids = torch.randint(3, VOCAB, (3, 150), device=DEVICE)
     mask = _masks(kind)
-    _within_noise_of_eager(name, kind, valid=mask.bool(), input_ids=ids, attention_mask=mask)
+    _within_noise_of_eager(name, kind, valid=mask.bool(), input_ids=ids, attention_mask=mask, use_cache=False)
     stats = cudnn_attention.stats()
     # Every layer is served: on cuDNN, or (visibly) on the exact eager path for what cuDNN cannot express here.
     exact_reasons = {"transformers: logit softcapping", "transformers: a sliding window over a padding mask with a gap"}
@@ -163,7 +160,7 @@ def test_padding_patterns_within_bf16_noise(name, kind):
 @pytest.mark.parametrize("name", MODELS)
 def test_pad_to_multiple_of_collator_within_bf16_noise(name):
     batch = padded_batch(documents((70, 130, 9), seed=4), pad_to_multiple_of=64, device=DEVICE)
-    _within_noise_of_eager(name, "pad_to_multiple_of", valid=batch["attention_mask"].bool(), **batch)
+    _within_noise_of_eager(name, "pad_to_multiple_of", valid=batch["attention_mask"].bool(), **batch, use_cache=False)
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -257,10 +254,8 @@ print("no error")
 def test_bad_packing_metadata_fails_on_the_device(update):
     # CUDA metadata is checked on the device (no sync): a failed torch._assert_async poisons the CUDA context, so run it apart.
     import os
-    import subprocess
-    import sys
 
     code = _BAD_PACKING_ON_DEVICE.format(tests=os.path.dirname(__file__), update=update)
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    result = run_python(code, timeout=None)
     assert result.returncode != 0 and "no error" not in result.stdout, result.stdout + result.stderr
     assert "assert" in result.stderr.lower(), result.stderr[-2000:]

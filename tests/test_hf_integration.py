@@ -6,6 +6,8 @@ import torch
 import cudnn_attention
 from cudnn_attention import _compat
 
+from child_process import python_output
+
 transformers = pytest.importorskip("transformers")
 from hf_models import MODELS, VOCAB, build, documents, packed_batch, padded_batch  # noqa: E402
 
@@ -39,15 +41,6 @@ def test_registration_makes_the_name_available():
     assert hf.is_registered()
 
 
-def _python(code: str) -> str:
-    import subprocess
-    import sys
-
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result.stdout.strip()
-
-
 def test_import_adds_one_removable_hook_and_imports_no_framework():
     code = """if True:
         import sys
@@ -64,7 +57,7 @@ def test_import_adds_one_removable_hook_and_imports_no_framework():
         assert not hf.is_registered()
         print("ok")
     """
-    assert _python(code) == "ok"
+    assert python_output(code) == "ok"
 
 
 @pytest.mark.parametrize("order", ["cudnn_attention first", "transformers first"])
@@ -76,7 +69,7 @@ def test_the_name_is_registered_whichever_is_imported_first(order):
          "assert not any(type(f).__name__ == 'RegisterOnLoad' for f in sys.meta_path)",  # fired (or never needed)
          "print(hf.is_registered())"]
     )  # fmt: skip
-    assert _python(code) == "True"
+    assert python_output(code) == "True"
 
 
 def test_the_core_imports_no_framework_and_no_integration():

@@ -17,6 +17,8 @@ import pytest
 
 from cudnn_attention.integrations.hf import launch
 
+from child_process import last_json
+
 transformers = pytest.importorskip("transformers")
 
 TIMEOUT = 300
@@ -37,11 +39,6 @@ def _run(command: list[str], *, launcher: bool = True, cwd=None, env=None) -> su
         pytest.fail("console script cudnn-attention not installed: run `pip install -e .`")
     full = [_script("cudnn-attention"), "run", "--", *command] if launcher else command
     return subprocess.run(full, capture_output=True, text=True, timeout=TIMEOUT, cwd=cwd, env=env, check=False)
-
-
-def _last_json(result: subprocess.CompletedProcess) -> dict:
-    assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +87,7 @@ def test_start_up_imports_nothing_and_a_shadowed_sitecustomize_still_runs(tmp_pa
     (tmp_path / "sitecustomize.py").write_text("import os\nos.environ['THEIRS_RAN'] = '1'\n")
     code = "import json, os, sys; print(json.dumps([sorted(m for m in ('torch', 'transformers', 'cudnn_attention') if m in sys.modules), os.environ.get('THEIRS_RAN')]))"
     result = _run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(tmp_path)})
-    assert _last_json(result) == [[], "1"]
+    assert last_json(result) == [[], "1"]
 
 
 def test_a_model_named_by_string_runs_cudnn_in_the_processes_the_command_starts(checkpoint):
@@ -104,7 +101,7 @@ def test_a_model_named_by_string_runs_cudnn_in_the_processes_the_command_starts(
         print(json.dumps([hooked, _compat.attn_implementation_of(model), stats()["fallback_forward"]]))
     """)
     outer = f"import subprocess, sys; sys.exit(subprocess.call([sys.executable, '-c', {inner!r}]))"
-    assert _last_json(_run([sys.executable, "-c", outer])) == [True, "cudnn", {"cpu tensors": 2}]  # one call per layer
+    assert last_json(_run([sys.executable, "-c", outer])) == [True, "cudnn", {"cpu tensors": 2}]  # one call per layer
     refused = _run([sys.executable, "-c", outer], launcher=False)
     assert refused.returncode != 0 and 'attn_implementation="cudnn"` is not supported' in refused.stderr
 
@@ -141,7 +138,7 @@ def test_trl_sft_trainer_padding_free_and_packing(checkpoint, tmp_path):
             seen[name] = [hooked, _compat.attn_implementation_of(trainer.model), sum(stats()["fallback_forward"].values()), len(packed)]
         print(json.dumps(seen))
     """)
-    seen = _last_json(_run([sys.executable, "-c", script], cwd=tmp_path))
+    seen = last_json(_run([sys.executable, "-c", script], cwd=tmp_path))
     for name, (hooked, implementation, calls, packed) in seen.items():
         # At least 2 steps x 2 layers (TRL's default activation checkpointing adds the recomputed forwards), every
         # call on the packed path: padding-free batches reach the attention function as one row with cu_seq_lens.

@@ -1,13 +1,12 @@
 """The installed distribution: the cuDNN frontend only where it ships wheels, and the package without it (macOS)."""
 
-import json
-import subprocess
-import sys
 from importlib.metadata import requires, version
 
 import pytest
 
 import cudnn_attention
+
+from child_process import last_json, run_python
 
 packaging_markers = pytest.importorskip("packaging.requirements")
 
@@ -56,8 +55,6 @@ def test_without_the_frontend_the_package_imports_and_runs_the_exact_fallback():
             torch.nn.functional.scaled_dot_product_attention(q, k, v)
         print(json.dumps([error, cudnn_attention.stats()["fallback_forward"], frontend_unavailable_reason()]))
     """
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
-    assert result.returncode == 0, result.stderr[-3000:]
-    error, fallbacks, reason = json.loads(result.stdout.strip().splitlines()[-1])
+    error, fallbacks, reason = last_json(run_python(code, timeout=120))
     assert error < 1e-5 and fallbacks == {"cpu tensors": 1}
     assert reason.startswith("cuDNN frontend not importable (ModuleNotFoundError"), reason

@@ -11,14 +11,13 @@ other providers of the same kernels: tests/test_provider_conflicts.py.
 
 import itertools
 import pathlib
-import subprocess
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import cudnn_attention
+from child_process import python_output
 from cudnn_attention import _compat, provider, sdpa_overrides
 from provider_cpu import DENSE_OPS, VARLEN_OPS, in_fresh_thread, our_ops_on_cpu, per_document_reference
 
@@ -116,8 +115,7 @@ def test_import_changes_nothing():
         .replace("COMPAT", repr(str(pathlib.Path(_compat.__file__))))
         .replace("OPS", repr(DENSE_OPS))
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
-    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
+    assert python_output(code) == "ok"
 
 
 # ----------------------------------------------------------------------------------------------

@@ -22,18 +22,21 @@ ALL_OPS = DENSE_OPS + VARLEN_OPS
 
 
 def _running(op: str) -> str:
-    """Who registered the CUDA kernel the dispatcher runs for ``op``: "ours", "upstream", "stand-in" or "torch"."""
+    """Who registered the CUDA kernel the dispatcher runs for ``op``, as the provider classifies it (``_registered_by``,
+    pinned on its own by the last test): "ours", "torch" (none, or a CUDA build's own), or "other", named "upstream" or
+    "stand-in" for this file's two providers."""
     registrations = _compat.kernel_registrations(op, "CUDA")
     if not registrations:
         return "torch"
     where = registrations[0]
-    if where.startswith(provider.__file__):
+    who = provider._registered_by(where)
+    if who == "us":
         return "ours"
-    if "cudnn/torch/sdpa_provider.py" in where:
+    if who == "other" and "cudnn/torch/sdpa_provider.py" in where:
         return "upstream"
-    if "other_provider.py" in where:
+    if who == "other" and "other_provider.py" in where:
         return "stand-in"
-    return "torch"  # a CUDA build's own kernel
+    return who
 
 
 def _sdp_settings():
