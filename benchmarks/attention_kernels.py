@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import cudnn_attention
+from cudnn_attention.cudnn_graphs import built_plans, clear_cache
 
 
 @dataclass
@@ -145,9 +146,7 @@ def implementations(case: Case, q, k, v, sinks, cu):
 
 
 def plan_names() -> list[str]:
-    """Engine plan of every graph this project built so far, in build order."""
-    from cudnn_attention.cudnn_graphs import built_plans
-
+    """Engine plan of every graph in this project's cache, in build order."""
     return [f"{direction}:{name}" for direction, name in built_plans()]
 
 
@@ -157,7 +156,9 @@ def run_case(case: Case):
     fwd_flops, bwd_flops = case.flops()
     for name, forward in implementations(case, q, k, v, sinks, cu).items():
         entry = {}
-        before = plan_names()
+        # Emptied per implementation so its row names every graph it runs, also one an earlier case built
+        # (the sink case folds onto the sink-less case's graphs).
+        clear_cache()
         try:
             out = forward()
             grad_out = torch.randn_like(out)
@@ -172,7 +173,7 @@ def run_case(case: Case):
                 entry["fwd_bwd_ms"] = entry["fwd_ms"] + entry["bwd_ms"]
         except Exception as exc:  # noqa: BLE001
             entry["error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
-        entry["plans"] = sorted(set(plan_names()[len(before):]))  # the graphs this implementation's calls built
+        entry["plans"] = sorted(set(plan_names()))
         case.results[name] = entry
         out = grad_out = None  # this implementation's graph is freed before the next one is timed (one that failed bound neither)
     torch.cuda.empty_cache()
@@ -227,7 +228,6 @@ def sink_forward_comparison(case: Case) -> dict:
     attention on the same inputs (max abs, output), and the engine plan of each graph it ran (the cache is
     emptied before each way, so they are the graphs that way needs); ``"default"`` is the way this process runs."""
     from cudnn_attention import cudnn_ops
-    from cudnn_attention.cudnn_graphs import clear_cache
     from cudnn_attention.masking import make_mask_spec
     from cudnn_attention.reference import varlen_reference
 
