@@ -16,9 +16,22 @@ from cudnn_attention import _compat, sdpa_overrides
 from cudnn_attention.masking import MaskSpec
 from cudnn_attention.reference import dense_reference, varlen_reference
 
-# The CUDA kernels the provider overrides.
+
+
+def _defined_varlen_ops() -> tuple[str, ...]:
+    """The ``torch_attn`` varlen ops this torch defines: none before the varlen API (2.9), no ``_out`` before 2.13."""
+    try:
+        import torch.nn.attention.varlen  # noqa: F401 - defines the torch_attn ops
+    except ImportError:
+        return ()
+    names = ("_varlen_attn", "_varlen_attn_out", "_varlen_attn_backward")
+    # hasattr on an op namespace is True only for ops that exist.
+    return tuple(f"torch_attn::{name}" for name in names if hasattr(torch.ops.torch_attn, name))
+
+
+# The CUDA kernels the provider overrides on this torch.
 DENSE_OPS = ("aten::_scaled_dot_product_cudnn_attention", "aten::_scaled_dot_product_cudnn_attention_backward")
-VARLEN_OPS = ("torch_attn::_varlen_attn", "torch_attn::_varlen_attn_out", "torch_attn::_varlen_attn_backward")
+VARLEN_OPS = _defined_varlen_ops()
 
 
 def per_document_reference(q, k, v, cu_q, cu_kv, grad_out=None, *, left):

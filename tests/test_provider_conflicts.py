@@ -57,7 +57,6 @@ def stand_in(tmp_path):
         textwrap.dedent(
             """
             import torch
-            import torch.nn.attention.varlen  # defines the torch_attn ops
 
 
             def _kernel(*args, **kwargs):
@@ -66,13 +65,12 @@ def stand_in(tmp_path):
 
             def install():
                 libraries = [torch.library.Library("aten", "IMPL"), torch.library.Library("torch_attn", "IMPL")]
-                for name in ("_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attention_backward"):
-                    libraries[0].impl(name, _kernel, "CUDA")
-                for name in ("_varlen_attn", "_varlen_attn_out", "_varlen_attn_backward"):
-                    libraries[1].impl(name, _kernel, "CUDA")
+                for op in OPS:
+                    namespace, name = op.split("::")
+                    libraries[namespace == "torch_attn"].impl(name, _kernel, "CUDA")
                 return libraries
             """
-        )
+        ).replace("OPS", repr(ALL_OPS))  # the ops this torch defines (provider_cpu.VARLEN_OPS)
     )
     spec = importlib.util.spec_from_file_location("other_provider", path)
     module = importlib.util.module_from_spec(spec)
@@ -112,7 +110,14 @@ def test_replace_existing_runs_ours_over_it_with_a_warning_and_remove_brings_it_
 
 def test_a_provider_registered_over_ours_is_reported_not_silently_served(upstream):
     handle = cudnn_attention.install()
-    theirs = upstream.install_sdpa_overrides()
+    try:
+        theirs = upstream.install_sdpa_overrides()
+    except RuntimeError as refused:
+        # Some torch releases (2.11) let one Python kernel hold an op: then no provider can register over ours.
+        assert "already a kernel registered from python" in str(refused), refused
+        assert [_running(op) for op in ALL_OPS] == ["ours"] * len(ALL_OPS) and handle.shadowed_by() == {}
+        handle.remove()
+        return
     try:
         assert sorted(handle.shadowed_by()) == sorted(ALL_OPS) and handle.active
         with pytest.raises(provider.ProviderConflictError, match="registered over it"):

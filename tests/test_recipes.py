@@ -22,6 +22,7 @@ from cudnn_attention.recipes.common import (
     pack_documents,
 )
 
+pytestmark = pytest.mark.no_gpu  # the recipes on a CPU machine; on a GPU they would take it (tests/test_gpu_recipes.py)
 STEPS = 3
 TINY_TOKENS = 1024  # the tiny preset's budget
 
@@ -240,8 +241,10 @@ def test_gradient_accuracy_benchmark_compares_each_implementation_with_fp32(tmp_
     (result,) = gradient_accuracy.main(["--quick", "--families", "mistral", "--out", str(tmp_path)])
     found = result["implementations"]
     assert list(found) == ["cudnn", "sdpa", "eager"] and "no backward on CPU" in result["skipped"]["flex_attention"]
-    # On a CPU "cudnn" is the exact fallback: bf16 rounding of its own, about eager bf16's size on every parameter.
-    assert 0 < found["cudnn"]["median_error"] < 0.05 and found["cudnn"]["max_ratio_to_eager_bf16"] < 2, found["cudnn"]
+    # On a CPU "cudnn" is the exact fallback: bf16 rounding of its own, about eager bf16's size on every parameter. The
+    # bound is eager bf16's own error, not a number: torch 2.13's CPU bf16 gives every implementation a median 0.005,
+    # torch 2.11's 1.34 (eager and sdpa alike).
+    assert 0 < found["cudnn"]["median_error"] and found["cudnn"]["max_ratio_to_eager_bf16"] < 2, found["cudnn"]
     table = (tmp_path / "gradient_accuracy.md").read_text()
     assert "| mistral | 1 x 512 | cudnn |" in table and "fallback {'cpu tensors': 2}" in table, table
 
