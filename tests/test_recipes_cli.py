@@ -31,6 +31,7 @@ from cudnn_attention.recipes.common import (
 )
 from cudnn_attention.recipes.common.hf_trainer import parse
 
+pytestmark = pytest.mark.no_gpu  # the recipes on a CPU machine; on a GPU they would take it (tests/test_gpu_recipes.py)
 ROOT = Path(__file__).resolve().parents[1]
 LIGHTNING_QUIET = ["--trainer.enable_progress_bar=false"]
 
@@ -152,7 +153,6 @@ def test_a_mistake_on_the_command_line_ends_in_one_line_without_a_traceback(tmp_
     assert not any(tmp_path.iterdir())
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the benchmarks' refusal is for machines without a GPU")
 @pytest.mark.parametrize(("script", "argv"), [("recipe_training", ["--suite", "speed"]), ("gradient_accuracy", [])])
 def test_benchmarks_without_a_gpu_point_to_quick(script, argv, capsys):
     benchmark = __import__(script)
