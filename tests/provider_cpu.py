@@ -17,7 +17,6 @@ from cudnn_attention.masking import MaskSpec
 from cudnn_attention.reference import dense_reference, varlen_reference
 
 
-
 def _defined_varlen_ops() -> tuple[str, ...]:
     """The ``torch_attn`` varlen ops this torch defines: none before the varlen API (2.9), no ``_out`` before 2.13."""
     try:
