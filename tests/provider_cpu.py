@@ -18,7 +18,7 @@ from cudnn_attention.reference import dense_reference, varlen_reference
 
 
 def _defined_varlen_ops() -> tuple[str, ...]:
-    """The ``torch_attn`` varlen ops this torch defines: none before the varlen API (2.9), no ``_out`` before 2.13."""
+    """The ``torch_attn`` varlen ops this torch defines: none in 2.9 (no varlen API), no ``_out`` in 2.10 and 2.11."""
     try:
         import torch.nn.attention.varlen  # noqa: F401 - defines the torch_attn ops
     except ImportError:
