@@ -165,7 +165,8 @@ def current_raw_stream(device_index: int) -> int:
 
 # Checked against nvidia-cudnn-frontend 1.32 (the pin in pyproject.toml). Executing the lowered
 # backend plan with raw pointers costs about 9 us per call on an H200 against 12-17 us for the public
-# ``pygraph.execute``; when these attributes move, lowered_plan() answers None and the public path runs.
+# ``pygraph.execute``; when these attributes move, lowered_plan() answers None and the public path runs
+# (backend_operand_uids() answers None and the uid-map launch runs).
 
 
 def lowered_plan(graph):
@@ -184,6 +185,27 @@ def lowered_plan(graph):
 def execute_lowered(lowered, pointers: dict, workspace_ptr: int, cpp_index: int, backend_handle) -> None:
     """Run a plan from :func:`lowered_plan` with ``{uid: data_ptr}`` (``_execute_plan_at_index``, 1.32)."""
     lowered._execute_plan_at_index(pointers, workspace_ptr, cpp_index, backend_handle, None, None, None)
+
+
+def backend_operand_uids(graph) -> tuple[int, ...] | None:
+    """The uids of the operands the backend plan takes, in the order it keeps them (ascending), or None
+    when the lowered graph does not say. ``pygraph._variant_pack_uids`` (1.32; it asks the lowered graph's
+    ``_prepare_variant_pack_template`` and ``_get_variant_pack_uids_sorted``); the frontend's own execute
+    hands :func:`execute_pointer_array` the same order."""
+    if not hasattr(getattr(graph, "_lowered_graph", None), "_execute_with_raw_ptrs"):
+        return None
+    try:
+        uids = graph._variant_pack_uids()
+    except Exception:  # noqa: BLE001 - a frontend without it: the uid-map path serves
+        return None
+    return tuple(uids) if uids else None
+
+
+def execute_pointer_array(lowered, pointers, workspace_ptr: int, cpp_index: int, backend_handle) -> None:
+    """Run a plan from :func:`lowered_plan` with ``pointers``, an ``array.array("Q")`` of device pointers in
+    :func:`backend_operand_uids` order (``_execute_with_raw_ptrs(address, count, workspace, handle, plan)``,
+    1.32: what ``pygraph.execute`` calls itself, without building a uid map for C++ to sort)."""
+    lowered._execute_with_raw_ptrs(pointers.buffer_info()[0], len(pointers), workspace_ptr, backend_handle, cpp_index)
 
 
 def selected_plan_name(graph) -> str:

@@ -2,13 +2,18 @@
 
 One graph per :class:`GraphSpec` (everything that changes the graph: dtype, dims, strides, scale,
 mask, flags, device). Building happens once per spec; a spec cuDNN rejects is remembered, so the
-caller can fall back without asking again. Execution binds pointers straight into the lowered
-backend plan when the frontend exposes it (about 9 us per call on an H200 against 12 us for the
-public ``pygraph.execute``); set ``CUDNN_ATTENTION_PUBLIC_EXECUTE=1`` to force the public path.
+caller can fall back without asking again. A memo beside the cache maps cheap call signatures to
+what was resolved from them (a graph, a plan of graphs); its entries live and die with their graphs.
+
+Execution hands the lowered backend plan a raw array of operand pointers in the order the backend
+keeps them, when the frontend exposes that (see :func:`cudnn_attention._compat.backend_operand_uids`),
+else a ``{uid: pointer}`` map; ``CUDNN_ATTENTION_PUBLIC_EXECUTE=1`` forces the public
+``pygraph.execute``. Workspaces are kept per device and stream, as torch keeps cuBLAS's.
 """
 
 from __future__ import annotations
 
+import array
 import atexit
 import os
 import threading
@@ -22,9 +27,26 @@ from . import _compat
 from .masking import MaskSpec
 from .policy import note_graph_build
 
-__all__ = ["GraphRejected", "GraphSpec", "built_plans", "clear_cache", "execute", "frontend_unavailable_reason", "get_graph", "graph_for_call"]
+__all__ = [
+    "GraphRejected",
+    "GraphSpec",
+    "built_plans",
+    "clear_cache",
+    "execute",
+    "frontend_unavailable_reason",
+    "get_graph",
+    "graph_for_call",
+    "memoize",
+    "memoized",
+]
 
 _CACHE_CAPACITY = 512
+# Signatures per graph: packed calls change their token count every step, and each count is a
+# signature of its own that resolves to the same bucketed graph, so the memo is bounded by itself too.
+_MEMO_CAPACITY = 8 * _CACHE_CAPACITY
+# Workspaces up to this size are kept per (device, stream) between calls; larger ones (a packed
+# backward's dQ accumulator can take hundreds of MiB) come from the caching allocator each call.
+_KEPT_WORKSPACE_BYTES = 64 << 20
 
 
 class GraphRejected(RuntimeError):
@@ -73,9 +95,11 @@ class _UID:
 class CompiledGraph:
     """A built graph plus what a call needs: operand uids in call order and ragged offset columns."""
 
-    __slots__ = ("graph", "workspace_size", "uids", "ragged_columns", "lowered", "cpp_index", "batch", "out_strides", "grad_strides")
+    __slots__ = ("spec", "graph", "workspace_size", "uids", "ragged_columns", "lowered", "cpp_index", "pointer_order", "batch", "out_strides",
+                 "grad_strides")  # fmt: skip
 
     def __init__(self, spec: GraphSpec, graph, workspace_size, uids, ragged_columns):
+        self.spec = spec
         self.graph = graph
         self.batch = spec.batch  # packed: the bucketed document count the offsets are padded to
         self.out_strides = None if spec.packed else spec.o_strides  # dense: O's strides, decided once
@@ -86,8 +110,14 @@ class CompiledGraph:
         self.ragged_columns = ragged_columns
         self.lowered = None
         self.cpp_index = None
+        # Indices into the call-order operands, in the backend's own operand order: set when the plan
+        # takes a raw pointer array (one C call, no map built or copied per launch).
+        self.pointer_order = None
         if os.environ.get("CUDNN_ATTENTION_PUBLIC_EXECUTE", "0") != "1" and graph.selected_engine is None:
             self.lowered, self.cpp_index = _compat.lowered_plan(graph) or (None, None)
+            backend_uids = _compat.backend_operand_uids(graph) if self.lowered is not None else None
+            if backend_uids is not None and sorted(backend_uids) == sorted(uids):
+                self.pointer_order = tuple(uids.index(uid) for uid in backend_uids)
 
     @property
     def plan_name(self) -> str:
@@ -124,7 +154,7 @@ _thread_state = threading.local()
 
 
 def _bound_handle(device_index: int):
-    """This thread's cuDNN handle for the device, bound to torch's current stream.
+    """``(handle, stream)``: this thread's cuDNN handle for the device, bound to torch's current stream.
 
     cuDNN handles are not thread-safe, hence one per thread; the stream is rebound only when it
     changes (``set_stream`` costs about 5 us).
@@ -140,7 +170,27 @@ def _bound_handle(device_index: int):
     if entry[1] != stream:
         _frontend.set_stream(handle=entry[0], stream=stream)
         entry[1] = stream
-    return entry[0]
+    return entry[0], stream
+
+
+# (device index, raw stream) -> uint8 buffer. Launches on one stream run in order, so one buffer
+# serves them all; a stream torch hands out is never destroyed (it comes from a fixed pool), so a
+# raw handle names the same queue for the life of the process.
+_workspaces: dict = {}
+
+
+def _workspace(size: int, device: torch.device, stream: int):
+    """A buffer of at least ``size`` bytes for a launch on ``stream`` (None for no workspace). While a
+    CUDA graph is captured, a fresh one from the graph's pool: a replay may run beside eager launches."""
+    if not size:
+        return None
+    if size > _KEPT_WORKSPACE_BYTES or torch.cuda.is_current_stream_capturing():
+        return torch.empty(size, dtype=torch.uint8, device=device)
+    key = (device.index, stream)
+    buffer = _workspaces.get(key)
+    if buffer is None or buffer.numel() < size:
+        buffer = _workspaces[key] = torch.empty(size, dtype=torch.uint8, device=device)
+    return buffer
 
 
 # ----------------------------------------------------------------------------------------------
@@ -149,11 +199,11 @@ def _bound_handle(device_index: int):
 
 _cache: OrderedDict = OrderedDict()  # GraphSpec -> CompiledGraph | GraphRejected; the one bound (FIFO)
 _build_lock = threading.Lock()
-# Raw call signature (shapes, strides, the call value) -> the same entries, so a steady-state call
-# skips deriving a GraphSpec (a few microseconds). Signatures are dropped with their spec: an
-# evicted graph is released, and the memo never outgrows the cache.
+# Call signature -> (what was resolved from it, the specs of the graphs it holds): a steady-state call
+# skips deriving specs (a few microseconds each). An entry goes with any of its graphs, so the memo
+# never keeps an evicted graph alive, and the oldest go first past _MEMO_CAPACITY.
 _by_call: dict = {}
-_signatures: dict = {}  # GraphSpec -> [signature, ...] that resolve to it
+_signatures: dict = {}  # GraphSpec -> {signature, ...} that hold it
 
 
 def get_graph(spec: GraphSpec) -> CompiledGraph:
@@ -187,20 +237,47 @@ def _cached_or_built(spec: GraphSpec):
                 while len(_cache) > _CACHE_CAPACITY:
                     evicted, _ = _cache.popitem(last=False)
                     for signature in _signatures.pop(evicted, ()):
-                        _by_call.pop(signature, None)
+                        _forget(signature)
     return entry
 
 
-def graph_for_call(signature: tuple, make_spec) -> CompiledGraph:
-    """:func:`get_graph` behind a memo keyed by a cheap call ``signature``; ``make_spec()`` runs on a miss."""
+def _forget(signature) -> None:
+    # Under _build_lock.
+    entry = _by_call.pop(signature, None)
+    if entry is not None:
+        for spec in entry[1]:
+            holders = _signatures.get(spec)
+            if holders is not None:
+                holders.discard(signature)
+
+
+def memoized(signature):
+    """What :func:`memoize` kept for ``signature``, or None."""
     entry = _by_call.get(signature)
+    return None if entry is None else entry[0]
+
+
+def memoize(signature, value, specs) -> None:
+    """Keep ``value`` (resolved from graphs of ``specs``, every one in the cache) for ``signature``,
+    for as long as each of those graphs stays cached."""
+    with _build_lock:
+        if signature in _by_call or not all(spec in _cache for spec in specs):  # evicted meanwhile
+            return
+        _by_call[signature] = (value, specs)
+        for spec in specs:
+            _signatures.setdefault(spec, set()).add(signature)
+        if len(_by_call) > _MEMO_CAPACITY:
+            _forget(next(iter(_by_call)))
+
+
+def graph_for_call(signature: tuple, make_spec) -> CompiledGraph:
+    """:func:`get_graph` behind the memo, keyed by a cheap call ``signature``; ``make_spec()`` runs on a
+    miss. Rejections are kept too (their verdict is cached with the spec)."""
+    entry = memoized(signature)
     if entry is None:
         spec = make_spec()
         entry = _cached_or_built(spec)
-        with _build_lock:
-            if spec in _cache:  # not evicted meanwhile
-                _by_call[signature] = entry
-                _signatures.setdefault(spec, []).append(signature)
+        memoize(signature, entry, (spec,))
     if type(entry) is GraphRejected:
         raise _fresh(entry)
     return entry
@@ -217,6 +294,7 @@ def clear_cache() -> None:
         _cache.clear()
         _by_call.clear()
         _signatures.clear()
+        _workspaces.clear()
 
 
 def _release_at_exit() -> None:
@@ -244,7 +322,7 @@ def _build(spec: GraphSpec) -> CompiledGraph:
     cudnn = _load_frontend()
     if cudnn is None:
         raise GraphRejected(_frontend_error)
-    return _on_a_fresh_stack(_construct, cudnn, spec, _bound_handle(spec.device_index))
+    return _on_a_fresh_stack(_construct, cudnn, spec, _bound_handle(spec.device_index)[0])
 
 
 def _on_a_fresh_stack(fn, *args):
@@ -388,9 +466,13 @@ def _construct(cudnn, spec: GraphSpec, handle) -> CompiledGraph:
 
 def execute(graph: CompiledGraph, operands: list, device_index: int) -> None:
     """Launch ``graph`` on torch's current stream with ``operands`` in the graph's uid order."""
-    handle = _bound_handle(device_index)
-    workspace = torch.empty(graph.workspace_size, dtype=torch.uint8, device=operands[0].device) if graph.workspace_size else None
-    if graph.lowered is not None:
+    handle, stream = _bound_handle(device_index)
+    workspace = _workspace(graph.workspace_size, operands[0].device, stream)
+    if graph.pointer_order is not None:
+        pointers = array.array("Q", [operands[i].data_ptr() for i in graph.pointer_order])
+        workspace_ptr = workspace.data_ptr() if workspace is not None else 0
+        _compat.execute_pointer_array(graph.lowered, pointers, workspace_ptr, graph.cpp_index, handle.backend_handle)
+    elif graph.lowered is not None:
         pointers = {uid: t.data_ptr() for uid, t in zip(graph.uids, operands)}
         _compat.execute_lowered(graph.lowered, pointers, workspace.data_ptr() if workspace is not None else 0, graph.cpp_index, handle.backend_handle)
     else:

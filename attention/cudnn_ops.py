@@ -23,8 +23,8 @@ from typing import NamedTuple
 import torch
 
 from . import _compat, tensor_memo
-from .call import AttentionCall
-from .cudnn_graphs import CompiledGraph, GraphRejected, GraphSpec, execute, frontend_unavailable_reason, graph_for_call
+from .call import NO_LENGTHS, AttentionCall, Lengths
+from .cudnn_graphs import CompiledGraph, GraphRejected, GraphSpec, execute, frontend_unavailable_reason, graph_for_call, memoize, memoized
 from .fused_sinks import fold_sinks, sink_gradient
 from .layouts import MIN_SEQ_BUCKET, allocate_backward_outputs, allocate_forward_outputs, like_layout_strides, packed_bounds, shape_bucket, thd_descriptor_strides
 from .masking import MaskSpec
@@ -60,6 +60,10 @@ class Plan(NamedTuple):
     backward: CompiledGraph | None  # built up front when gradients will be needed
     folds_sinks: bool  # the forward graph is sink-less and the sinks are folded in afterwards
     deterministic: bool  # what the backward graph was resolved for
+
+    @property
+    def specs(self) -> tuple:
+        return (self.forward.spec,) if self.backward is None else (self.forward.spec, self.backward.spec)
 
 
 def _geometry(q, k, v, call: AttentionCall):
@@ -108,7 +112,8 @@ def resolve_cudnn(q, k, v, call: AttentionCall) -> tuple[Plan | None, str | None
     One predicate for both directions: when gradients will be needed the backward graph must
     build too, so a call never starts on cuDNN and finishes elsewhere. Under ``torch.compile``
     graphs cannot be built while tracing, so the answer is ``(None, None)`` and a configuration
-    cuDNN rejects raises from inside the op, with the reason, at run time.
+    cuDNN rejects raises from inside the op, with the reason, at run time. A plan is kept for the
+    call value and the tensors' geometry (see :func:`cudnn_attention.cudnn_graphs.memoize`).
     """
     if not q.is_cuda:
         return None, f"{q.device.type} tensors"
@@ -119,10 +124,17 @@ def resolve_cudnn(q, k, v, call: AttentionCall) -> tuple[Plan | None, str | None
     unavailable = frontend_unavailable_reason()
     if unavailable is not None:
         return None, unavailable
-    try:
-        return _plan(q, k, v, call, torch.are_deterministic_algorithms_enabled()), None
-    except GraphRejected as rejected:
-        return None, str(rejected)
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    signature = ("plan", call, q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.get_device(), deterministic,
+                 SINK_FORWARD)  # fmt: skip
+    plan = memoized(signature)
+    if plan is None:
+        try:
+            plan = _plan(q, k, v, call, deterministic)
+        except GraphRejected as rejected:
+            return None, str(rejected)
+        memoize(signature, plan, plan.specs)
+    return plan, None
 
 
 def _asks_sink_engine(call: AttentionCall) -> bool:
@@ -173,14 +185,15 @@ def _aligned(t: torch.Tensor, name: str) -> torch.Tensor:
     return t
 
 
-def _length_operands(graph, seqlens_q, seqlens_kv, cu_seqlens_q, cu_seqlens_kv) -> list:
+def _length_operands(graph, lengths: Lengths) -> list:
     """Per-batch lengths and ragged offsets, computed on the device (no host reads). Packed: about
     ten small kernels, so they are kept on ``cu_seqlens_q`` (see :mod:`~cudnn_attention.tensor_memo`):
     every layer of a forward and every backward of the same batch reuses them."""
+    cu_seqlens_q, cu_seqlens_kv = lengths.cu_seqlens_q, lengths.cu_seqlens_kv
     if cu_seqlens_q is None:
-        if seqlens_q is None:
+        if lengths.seqlens_q is None:
             return []
-        return [_aligned(seqlens_q, "seqlens_q").view(-1, 1, 1, 1), _aligned(seqlens_kv, "seqlens_kv").view(-1, 1, 1, 1)]
+        return [_aligned(lengths.seqlens_q, "seqlens_q").view(-1, 1, 1, 1), _aligned(lengths.seqlens_kv, "seqlens_kv").view(-1, 1, 1, 1)]
     return _memoized(cu_seqlens_q, cu_seqlens_kv, ("ragged operands", graph.batch, graph.ragged_columns),
                      lambda: _ragged_operands(graph, cu_seqlens_q, cu_seqlens_kv))  # fmt: skip
 
@@ -225,8 +238,9 @@ def _padding_rows(seqlens_q, s_q: int) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------
 
 
-def _run_forward(plan: Plan, q, k, v, sinks, seqlens_q, seqlens_kv, cu_seqlens_q, cu_seqlens_kv, need_lse: bool):
+def _run_forward(plan: Plan, q, k, v, sinks, lengths: Lengths, need_lse: bool):
     graph, folds = plan.forward, plan.folds_sinks
+    seqlens_q, cu_seqlens_q, cu_seqlens_kv = lengths.seqlens_q, lengths.cu_seqlens_q, lengths.cu_seqlens_kv
     padded, packed = seqlens_q is not None, cu_seqlens_q is not None
     # The fold writes every row, absent ones as zero and -inf: a packed out and LSE need no fill then.
     out, lse = allocate_forward_outputs(
@@ -237,7 +251,7 @@ def _run_forward(plan: Plan, q, k, v, sinks, seqlens_q, seqlens_kv, cu_seqlens_q
         operands.append(lse.unsqueeze(-1))
     if sinks is not None and not folds:
         operands.append(_aligned(sinks, "sinks").view(1, -1, 1, 1))
-    operands += _length_operands(graph, seqlens_q, seqlens_kv, cu_seqlens_q, cu_seqlens_kv)
+    operands += _length_operands(graph, lengths)
     execute(graph, operands, q.device.index)
     invalid_B1S1 = _padding_rows(seqlens_q, q.shape[2]) if padded else None
     if folds:
@@ -258,24 +272,24 @@ def _run_forward(plan: Plan, q, k, v, sinks, seqlens_q, seqlens_kv, cu_seqlens_q
     return out, lse
 
 
-def _run_backward(graph, grad_out, q, k, v, out, lse, sinks, seqlens_q, seqlens_kv, cu_seqlens_q, cu_seqlens_kv):
+def _run_backward(graph, grad_out, q, k, v, out, lse, sinks, lengths: Lengths):
+    """``(dq, dk, dv, dsinks)``; ``dsinks`` is None without sinks."""
     q, k, v, out = _aligned(q, "q"), _aligned(k, "k"), _aligned(v, "v"), _aligned(out, "out")
-    invalid_B1S1 = None if seqlens_q is None else _padding_rows(seqlens_q, q.shape[2])
+    invalid_B1S1 = None if lengths.seqlens_q is None else _padding_rows(lengths.seqlens_q, q.shape[2])
     if invalid_B1S1 is not None:
         grad_out = grad_out.masked_fill(invalid_B1S1, 0)  # padded rows' outputs are constant zero: no gradient flows from them
     if grad_out.stride() != out.stride() or grad_out.dtype != out.dtype or grad_out.data_ptr() % 16:
         # cuDNN reads dO with O's descriptor.
         grad_out = torch.empty_strided(out.shape, out.stride(), dtype=out.dtype, device=out.device).copy_(grad_out)
-    dq, dk, dv, dsinks = allocate_backward_outputs(
-        q, k, v, sinks, packed=cu_seqlens_q is not None, padded=seqlens_q is not None, grad_strides=graph.grad_strides
+    dq, dk, dv = allocate_backward_outputs(
+        q, k, v, packed=lengths.cu_seqlens_q is not None, padded=invalid_B1S1 is not None, grad_strides=graph.grad_strides
     )
     operands = [q, k, v, out, grad_out, lse.unsqueeze(-1), dq, dk, dv]
-    operands += _length_operands(graph, seqlens_q, seqlens_kv, cu_seqlens_q, cu_seqlens_kv)
+    operands += _length_operands(graph, lengths)
     execute(graph, operands, q.device.index)
     if invalid_B1S1 is not None:
         dq.masked_fill_(invalid_B1S1, 0)
-    if sinks is not None:
-        dsinks.copy_(sink_gradient(grad_out, out, lse, sinks))
+    dsinks = None if sinks is None else sink_gradient(grad_out, out, lse, sinks)
     count_cudnn("backward")
     return dq, dk, dv, dsinks
 
@@ -295,12 +309,14 @@ def _forward_cuda(q, k, v, sinks, seqlens_q, seqlens_kv, cu_seqlens_q, cu_seqlen
     q, k, v = _aligned(q, "q"), _aligned(k, "k"), _aligned(v, "v")
     call = _op_call(sinks, seqlens_q, cu_seqlens_q, max_seqlen_q, max_seqlen_kv, scale, window_left, window_right, bottom_right,
                     need_lse, False)  # fmt: skip
-    out, lse = _run_forward(_plan(q, k, v, call, False), q, k, v, sinks, seqlens_q, seqlens_kv, cu_seqlens_q, cu_seqlens_kv, need_lse)
-    return out, lse if lse is not None else _no_lse(q)
+    lengths = Lengths(seqlens_q, seqlens_kv, cu_seqlens_q, cu_seqlens_kv)
+    out, lse = _run_forward(_plan(q, k, v, call, False), q, k, v, sinks, lengths, need_lse)
+    return out, lse if lse is not None else _empty_float32(q)
 
 
-def _no_lse(q):
-    # An op must return a tensor; the fake kernel returns the same empty placeholder.
+def _empty_float32(q):
+    # An op must return a tensor where the eager path has None (no LSE asked for, no sinks to differentiate);
+    # the fake kernels return the same empty placeholder.
     return torch.empty((0,), dtype=torch.float32, device=q.device)
 
 
@@ -309,7 +325,9 @@ def _backward_cuda(grad_out, q, k, v, out, lse, sinks, seqlens_q, seqlens_kv, cu
     call = _op_call(sinks, seqlens_q, cu_seqlens_q, max_seqlen_q, max_seqlen_kv, scale, window_left, window_right, bottom_right,
                     True, True)  # fmt: skip
     graph = _graph_for("backward", q, k, v, call, deterministic)
-    return _run_backward(graph, grad_out, q, k, v, out, lse, sinks, seqlens_q, seqlens_kv, cu_seqlens_q, cu_seqlens_kv)
+    lengths = Lengths(seqlens_q, seqlens_kv, cu_seqlens_q, cu_seqlens_kv)
+    dq, dk, dv, dsinks = _run_backward(graph, grad_out, q, k, v, out, lse, sinks, lengths)
+    return dq, dk, dv, dsinks if dsinks is not None else _empty_float32(q)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -335,13 +353,14 @@ _lib.impl("backward", _backward_cuda, "CUDA")
 def _forward_fake(q, k, v, sinks, seqlens_q, seqlens_kv, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, scale, window_left,
                   window_right, bottom_right, need_lse):  # fmt: skip
     out, lse = allocate_forward_outputs(q, v, packed=cu_seqlens_q is not None, need_lse=need_lse)
-    return out, lse if lse is not None else _no_lse(q)
+    return out, lse if lse is not None else _empty_float32(q)
 
 
 @torch.library.register_fake("cudnn_attention::backward", lib=_lib)
 def _backward_fake(grad_out, q, k, v, out, lse, sinks, seqlens_q, seqlens_kv, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv,
                    scale, window_left, window_right, bottom_right, deterministic):  # fmt: skip
-    return allocate_backward_outputs(q, k, v, sinks, packed=cu_seqlens_q is not None, padded=seqlens_q is not None)
+    dq, dk, dv = allocate_backward_outputs(q, k, v, packed=cu_seqlens_q is not None, padded=seqlens_q is not None)
+    return dq, dk, dv, torch.empty((sinks.shape[0],), dtype=torch.float32, device=q.device) if sinks is not None else _empty_float32(q)
 
 
 def _setup_context(ctx, inputs, output):
@@ -372,12 +391,13 @@ class _EagerAttention(torch.autograd.Function):
     host time per forward (issue 13), this a few. Same kernels, same saved tensors and the same
     backward as the op; the plan, backward graph included, was resolved before the call. The
     ``forward(ctx, ...)`` form on purpose: with ``setup_context`` every apply binds the signature
-    with ``inspect`` (about 60 us); functorch transforms, which need that form, take the op instead."""
+    with ``inspect`` (about 60 us); functorch transforms, which need that form, take the op instead.
+    The index tensors travel as one ``lengths`` argument: ``apply`` costs per argument."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sinks, seqlens_q, seqlens_kv, cu_seqlens_q, cu_seqlens_kv, plan, call):
-        out, lse = _run_forward(plan, q, k, v, sinks, seqlens_q, seqlens_kv, cu_seqlens_q, cu_seqlens_kv, True)
-        ctx.save_for_backward(q, k, v, out, lse, sinks, seqlens_q, seqlens_kv, cu_seqlens_q, cu_seqlens_kv)
+    def forward(ctx, q, k, v, sinks, plan, call, lengths):
+        out, lse = _run_forward(plan, q, k, v, sinks, lengths, True)
+        ctx.save_for_backward(q, k, v, out, lse, sinks, *lengths)
         ctx.plan, ctx.call = plan, call
         ctx.mark_non_differentiable(lse)
         ctx.set_materialize_grads(False)
@@ -386,13 +406,13 @@ class _EagerAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, _grad_lse):
         if grad_out is None:
-            return (None,) * 10
-        q, k, v, out, lse, sinks, seqlens_q, seqlens_kv, cu_q, cu_kv = ctx.saved_tensors
+            return None, None, None, None, None, None, None
+        q, k, v, out, lse, sinks, *lengths = ctx.saved_tensors
         graph, deterministic = ctx.plan.backward, torch.are_deterministic_algorithms_enabled()
         if ctx.plan.deterministic != deterministic:  # switched between forward and backward (the op path resolves per backward too)
             graph = _graph_for("backward", q, k, v, ctx.call, deterministic)
-        dq, dk, dv, dsinks = _run_backward(graph, grad_out, q, k, v, out, lse, sinks, seqlens_q, seqlens_kv, cu_q, cu_kv)
-        return dq, dk, dv, dsinks if sinks is not None else None, None, None, None, None, None, None
+        dq, dk, dv, dsinks = _run_backward(graph, grad_out, q, k, v, out, lse, sinks, Lengths(*lengths))
+        return dq, dk, dv, dsinks, None, None, None
 
 
 def _eager_safe(q, k, v) -> bool:
@@ -401,19 +421,17 @@ def _eager_safe(q, k, v) -> bool:
     return type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor and _compat.plain_dispatch()
 
 
-def cudnn_forward(plan: Plan | None, call: AttentionCall, q, k, v, *, sinks, seqlens_q, seqlens_kv, cu_seqlens_q, cu_seqlens_kv):
+def cudnn_forward(plan: Plan | None, call: AttentionCall, q, k, v, *, sinks, lengths: Lengths = NO_LENGTHS):
     """Run the forward: for a plain eager call, straight into the already resolved ``plan``
     (through :class:`_EagerAttention` when gradients are needed); otherwise through the op
     (traceable, and what ``torch.compile`` sees)."""
     if plan is not None and _eager_safe(q, k, v):
         q, k, v = _aligned(q, "q"), _aligned(k, "k"), _aligned(v, "v")
         if not call.needs_grad:
-            return _run_forward(plan, q, k, v, sinks, seqlens_q, seqlens_kv, cu_seqlens_q, cu_seqlens_kv, call.need_lse)
-        out, lse = _EagerAttention.apply(q, k, v, sinks, seqlens_q, seqlens_kv, cu_seqlens_q, cu_seqlens_kv, plan, call)
-        return out, lse
+            return _run_forward(plan, q, k, v, sinks, lengths, call.need_lse)
+        return _EagerAttention.apply(q, k, v, sinks, plan, call, lengths)
     mask = call.mask
     out, lse = torch.ops.cudnn_attention.forward(
-        q, k, v, sinks, seqlens_q, seqlens_kv, cu_seqlens_q, cu_seqlens_kv, call.max_seqlen_q, call.max_seqlen_kv, call.scale,
-        mask.left, mask.right, mask.bottom_right, call.need_lse,
-    )  # fmt: skip
+        q, k, v, sinks, *lengths, call.max_seqlen_q, call.max_seqlen_kv, call.scale, mask.left, mask.right, mask.bottom_right, call.need_lse
+    )
     return out, lse

@@ -118,19 +118,16 @@ def allocate_forward_outputs(
 
 
 def allocate_backward_outputs(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None, *, packed: bool, padded: bool, grad_strides: tuple | None = None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dq, dk, dv, dsinks)``. Dense gradients adopt their input's layout (autograd hands them
-    back as ``.grad``); packed ones are contiguous. Packed and padded ones start at zero: tokens
-    outside any document, and sequences with no query or no key, get no write from the kernel.
-    ``dsinks`` is fp32 (H,), or empty without sinks."""
-    dsinks = torch.empty((sinks.shape[0] if sinks is not None else 0,), dtype=torch.float32, device=q.device)
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, packed: bool, padded: bool, grad_strides: tuple | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)``. Dense gradients adopt their input's layout (autograd hands them back as
+    ``.grad``); packed ones are contiguous. Packed and padded ones start at zero: tokens outside any
+    document, and sequences with no query or no key, get no write from the kernel."""
     if packed:
         return (
             torch.zeros(q.shape, dtype=q.dtype, device=q.device),
             torch.zeros(k.shape, dtype=q.dtype, device=q.device),
             torch.zeros(v.shape, dtype=q.dtype, device=q.device),
-            dsinks,
         )
     # grad_strides: the same like_layout_strides, already derived for the graph (a backward's host time counts).
     strides = grad_strides or tuple(like_layout_strides(tuple(t.shape), t) for t in (q, k, v))
@@ -138,4 +135,4 @@ def allocate_backward_outputs(
     if padded:
         for grad in grads:
             grad.zero_()
-    return (*grads, dsinks)
+    return grads

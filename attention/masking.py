@@ -52,8 +52,10 @@ def _as_window(window_size) -> tuple[int, int]:
 
 def make_mask_spec(*, causal: bool, bottom_right: bool, window_size) -> MaskSpec:
     """Fold ``causal``/``bottom_right``/``window_size`` into one :class:`MaskSpec`, rejecting contradictions."""
-    if type(window_size) is tuple and not torch.compiler.is_compiling():
-        # Every call asks this; the answer for a given triple never changes (errors are not cached).
+    # Every call asks this; the answer for a given triple never changes (errors are not cached). Only int bounds:
+    # (1.0, 0) and (True, 0) are keys equal to (1, 0), but errors.
+    int_pair = type(window_size) is tuple and len(window_size) == 2 and type(window_size[0]) is int and type(window_size[1]) is int
+    if int_pair and not torch.compiler.is_compiling():
         return _memoized_mask_spec(bool(causal), bool(bottom_right), window_size)
     return _mask_spec(bool(causal), bool(bottom_right), window_size)
 

@@ -366,20 +366,84 @@ def test_graph_builds_and_rejections_free_the_callers_tensors_without_the_gc():
         gc.enable()
 
 
-def test_fast_execute_matches_public_execute(monkeypatch):
-    from cudnn_attention import cudnn_graphs
+@pytest.mark.parametrize("sinks", [False, True])
+def test_every_launch_path_gives_the_same_bits(monkeypatch, sinks):
+    """The raw pointer array (the default), the frontend's uid map and the public ``pygraph.execute``."""
+    from cudnn_attention import _compat, cudnn_graphs
 
-    q, k, v, sinks, cu_q, cu_kv, mq, mk = _packed_case(ODD_LENGTHS, sinks=True)
+    q, k, v, s, cu_q, cu_kv, mq, mk = _packed_case(ODD_LENGTHS, sinks=sinks)
+    dense = _dense_case("causal", 4, 64, torch.bfloat16, sinks=sinks)
     results = []
-    for public in ("0", "1"):
-        monkeypatch.setenv("CUDNN_ATTENTION_PUBLIC_EXECUTE", public)
+    for path in ("pointer array", "uid map", "public"):
+        monkeypatch.setenv("CUDNN_ATTENTION_PUBLIC_EXECUTE", "1" if path == "public" else "0")
+        if path == "uid map":
+            monkeypatch.setattr(_compat, "backend_operand_uids", lambda graph: None)
         cudnn_graphs.clear_cache()
-        out = cudnn_attention.varlen_attention(q, k, v, cu_q, cu_kv, mq, mk, causal=True, sinks=sinks)
-        results.append((out, *torch.autograd.grad(out, (q, k, v, sinks), torch.ones_like(out))))
-        kinds = {type(g.lowered).__name__ if g.lowered is not None else None for g in cudnn_graphs._cache.values()}
-        assert (None in kinds) == (public == "1"), f"public={public}: graphs executed through {kinds}"
+        out = cudnn_attention.varlen_attention(q, k, v, cu_q, cu_kv, mq, mk, causal=True, sinks=s)
+        dense_out = cudnn_attention.attention(*dense[:3], causal=True, sinks=dense[3])
+        inputs = [t for t in (q, k, v, s, *dense) if t is not None]
+        results.append((out, dense_out, *torch.autograd.grad((out, dense_out), inputs, (torch.ones_like(out), torch.ones_like(dense_out)))))
+        graphs = list(cudnn_graphs._cache.values())
+        assert len(graphs) >= 4
+        if path == "pointer array":
+            assert all(g.pointer_order is not None for g in graphs), [g.spec.direction for g in graphs if g.pointer_order is None]
+        else:
+            assert all(g.pointer_order is None and (g.lowered is None) == (path == "public") for g in graphs)
+    for a, b, c in zip(*results):
+        assert torch.equal(a, b) and torch.equal(a, c)
+
+
+CALLS = {
+    "dense causal, grad": lambda d, p: (cudnn_attention.attention, d[:3], dict(causal=True)),
+    "dense padded, sinks, window, grad": lambda d, p: (
+        cudnn_attention.attention, d[:3],
+        dict(causal=True, window_size=(50, 0), sinks=d[3], seqlens_q=torch.tensor([203, 90], device=DEVICE),
+             seqlens_kv=torch.tensor([150, 0], device=DEVICE)),
+    ),  # fmt: skip
+    "dense, no grad, lse": lambda d, p: (cudnn_attention.attention, [t.detach() for t in d[:3]], dict(return_lse=True)),
+    "packed window sinks, grad": lambda d, p: (cudnn_attention.varlen_attention, [*p[:3], *p[4:]], dict(causal=True, window_size=(32, 0), sinks=p[3])),
+    "packed, no grad": lambda d, p: (cudnn_attention.varlen_attention, [*(t.detach() for t in p[:3]), *p[4:]], dict(causal=True)),
+}
+
+
+@pytest.mark.parametrize("name", CALLS)
+def test_a_remembered_call_gives_the_fresh_calls_bits(monkeypatch, name):
+    """The second call with one signature skips validation and plan resolution (it is remembered from the first)
+    and must give the same outputs and gradients, bit for bit."""
+    from cudnn_attention import api, cudnn_graphs
+
+    fn, args, kwargs = CALLS[name](_dense_case("causal", 4, 64, torch.bfloat16, sinks=True), _packed_case(ODD_LENGTHS, sinks=True, tail=3))
+    resolved = []
+    resolve = api.resolve_cudnn
+    monkeypatch.setattr(api, "resolve_cudnn", lambda *a: resolved.append(1) or resolve(*a))
+    cudnn_graphs.clear_cache()
+    results = []
+    for _ in range(2):
+        result = fn(*args, **kwargs)
+        out = result[0] if isinstance(result, tuple) else result
+        inputs = [t for t in (*args[:3], kwargs.get("sinks")) if t is not None and t.requires_grad]
+        grads = torch.autograd.grad(out, inputs, torch.ones_like(out)) if inputs else ()
+        results.append((*(result if isinstance(result, tuple) else (result,)), *grads))
+    assert len(resolved) == 1, "the second call resolved its plan again"
+    assert cudnn_attention.stats()["cudnn_forward"] == 2 and not cudnn_attention.stats()["fallback_forward"]
     for a, b in zip(*results):
         assert torch.equal(a, b)
+
+
+def test_kept_workspaces_are_per_stream():
+    from cudnn_attention import cudnn_graphs
+
+    q, k, v, _ = _dense_case("causal", 4, 64, torch.bfloat16)
+    cudnn_graphs.clear_cache()
+    want = cudnn_attention.attention(q, k, v, causal=True)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        got = cudnn_attention.attention(q, k, v, causal=True)
+    torch.cuda.current_stream().wait_stream(side)
+    streams = {stream for _, stream in cudnn_graphs._workspaces}
+    assert {torch.cuda.current_stream().cuda_stream, side.cuda_stream} <= streams
+    assert torch.equal(want, got)
 
 
 def test_opcheck_forward_and_backward_ops():

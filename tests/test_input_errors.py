@@ -34,6 +34,15 @@ def test_dense_shape_and_type_errors(mutate, error, pattern):
         cudnn_attention.attention(*mutate(*dense()))
 
 
+@pytest.fixture(params=[False, True], ids=["fresh", "after a remembered call"])
+def remembered(request):
+    """Whether the valid call each error case mutates was served (and so remembered) first: a remembered
+    call's signature must never let a bad one skip its checks."""
+    if request.param:
+        request.getfixturevalue("served_on_cpu")
+    return request.param
+
+
 @pytest.mark.parametrize(
     "kwargs, error, pattern",
     [
@@ -50,9 +59,34 @@ def test_dense_shape_and_type_errors(mutate, error, pattern):
         (dict(scale="0.1"), TypeError, r"scale must be a float or None, got '0.1'"),
     ],
 )
-def test_dense_option_errors(kwargs, error, pattern):
+def test_dense_option_errors(kwargs, error, pattern, remembered):
+    q, k, v = dense()
+    if remembered:
+        cudnn_attention.attention(q, k, v, **{name: value for name, value in _VALID.items() if name in kwargs})
     with pytest.raises(error, match=pattern):
-        cudnn_attention.attention(*dense(), **kwargs)
+        cudnn_attention.attention(q, k, v, **kwargs)
+
+
+# Valid values of each option, of the type the documentation gives; the type matters: ``True == 1 == 1.0`` as keys.
+_VALID = dict(window_size=(1, 0), sinks=torch.zeros(4), seqlens_q=torch.tensor([1, 2]), seqlens_kv=torch.tensor([1, 2]), scale=1.0,
+              causal=False, validate=False, max_seqlen_q=4, max_seqlen_kv=4)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "valid, bad, error, pattern",
+    [
+        (dict(scale=1.0), dict(scale=True), TypeError, r"scale must be a float or None, got True"),
+        (dict(window_size=(1, 0)), dict(window_size=(1.0, 0)), TypeError, r"left bound must be an int, got 1.0"),
+        (dict(window_size=(1, 0)), dict(window_size=(True, 0)), TypeError, r"left bound must be an int, got True"),
+    ],
+)
+def test_an_equal_option_of_another_type_is_still_checked(served_on_cpu, valid, bad, error, pattern):
+    q, k, v = dense()
+    cudnn_attention.attention(q, k, v, **valid)
+    cudnn_attention.attention(q, k, v, **valid)
+    assert served_on_cpu["resolve"] == 1 and served_on_cpu["launch"] == 2  # the second call was the remembered one
+    with pytest.raises(error, match=pattern):
+        cudnn_attention.attention(q, k, v, **bad)
 
 
 @pytest.mark.parametrize(
@@ -77,11 +111,22 @@ def test_dense_option_errors(kwargs, error, pattern):
         (lambda a: {**a, "max_seqlen_q": 3, "validate": True}, ValueError, r"has 4 tokens, more than max_seqlen_q 3"),
     ],
 )
-def test_varlen_errors(mutate, error, pattern):
+def test_varlen_errors(mutate, error, pattern, remembered):
     q, k, v, cu = packed()
     args = dict(q=q, k=k, v=v, cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=4, max_seqlen_kv=4)
+    if remembered:
+        cudnn_attention.varlen_attention(**args)
     with pytest.raises(error, match=pattern):
         cudnn_attention.varlen_attention(**mutate(args))
+
+
+def test_a_maximum_of_another_type_is_still_checked(served_on_cpu):
+    q, k, v, cu = packed()
+    for _ in range(2):
+        cudnn_attention.varlen_attention(q, k, v, cu, cu, 4, 4)
+    assert served_on_cpu["resolve"] == 1 and served_on_cpu["launch"] == 2
+    with pytest.raises(TypeError, match=r"max_seqlen_q must be a Python int, got 4.0"):
+        cudnn_attention.varlen_attention(q, k, v, cu, cu, 4.0, 4)
 
 
 def test_options_are_keyword_only():

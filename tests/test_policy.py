@@ -107,7 +107,7 @@ def test_a_graph_build_or_rejection_does_not_pin_the_callers_tensors(monkeypatch
 
     frontend = types.SimpleNamespace(data_type=types.SimpleNamespace(HALF=0, BFLOAT16=1, FLOAT=2), pygraph=pygraph)
     monkeypatch.setattr(cudnn_graphs, "_load_frontend", lambda: frontend)
-    monkeypatch.setattr(cudnn_graphs, "_bound_handle", lambda device_index: None)
+    monkeypatch.setattr(cudnn_graphs, "_bound_handle", lambda device_index: (None, 0))
     monkeypatch.setattr(torch.cuda, "device", lambda index: contextlib.nullcontext())
     spec = cudnn_graphs.GraphSpec(direction="forward", device_index=0, dtype=torch.bfloat16, batch=1, heads_q=2, heads_kv=2, seq_q=64,
                                   seq_kv=64, dim_qk=64, dim_v=64, q_strides=(1,) * 4, k_strides=(1,) * 4, v_strides=(1,) * 4,

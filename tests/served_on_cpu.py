@@ -1,0 +1,42 @@
+"""CPU calls served the way cuDNN serves CUDA ones, so the remembered-call path runs without a GPU.
+
+``resolve_cudnn`` answers with a plan of no graphs and the "kernel" is the exact path; ``counts`` says
+how often each ran, so a test can tell a remembered call (no resolve) from a fresh one.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+from cudnn_attention import api, cudnn_graphs
+from cudnn_attention.reference import dense_reference, varlen_reference
+
+
+class NoGraphs:
+    """A plan that holds no graphs (so the memo keeps it without a graph cache entry)."""
+
+    specs = ()
+
+
+@pytest.fixture
+def served_on_cpu(monkeypatch):
+    counts = Counter()
+
+    def resolve(q, k, v, call):
+        counts["resolve"] += 1
+        return NoGraphs(), None
+
+    def launch(plan, call, q, k, v, *, sinks, lengths):
+        counts["launch"] += 1
+        if call.packed:
+            return varlen_reference(q, k, v, lengths.cu_seqlens_q, lengths.cu_seqlens_kv, call.max_seqlen_q, call.max_seqlen_kv,
+                                    scale=call.scale, mask=call.mask, sinks_H=sinks)  # fmt: skip
+        return dense_reference(q, k, v, scale=call.scale, mask=call.mask, sinks_H=sinks, seqlens_q_B=lengths.seqlens_q,
+                               seqlens_kv_B=lengths.seqlens_kv)  # fmt: skip
+
+    monkeypatch.setattr(api, "resolve_cudnn", resolve)
+    monkeypatch.setattr(api, "cudnn_forward", launch)
+    cudnn_graphs.clear_cache()
+    yield counts
+    cudnn_graphs.clear_cache()
