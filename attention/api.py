@@ -44,8 +44,13 @@ def _call_signature(q, k, v, scale, causal, bottom_right, window_size, sinks, re
         return None
     if sinks is not None and not isinstance(sinks, torch.Tensor):
         return None
+    index_key = []
     for t in index_tensors:
-        if t is not None and not isinstance(t, torch.Tensor):
+        if t is None:
+            index_key.append(None)
+        elif isinstance(t, torch.Tensor):
+            index_key.append((t.shape, t.dtype, t.device))
+        else:
             return None
     for n in ints:
         if type(n) is not int:
@@ -56,7 +61,7 @@ def _call_signature(q, k, v, scale, causal, bottom_right, window_size, sinks, re
         q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, k.device, v.shape, v.stride(), v.dtype, v.device,
         scale, causal, bottom_right, window_size, bool(return_lse), _needs_grad(q, k, v, sinks),
         None if sinks is None else (sinks.shape, sinks.dtype, sinks.device),
-        tuple(None if t is None else (t.shape, t.dtype, t.device) for t in index_tensors), ints,
+        tuple(index_key), ints,
         torch.are_deterministic_algorithms_enabled(), cudnn_ops.SINK_FORWARD,
     )  # fmt: skip
 

@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import _compat, tensor_memo
+from . import _compat, tensor_memo, validation
 from .call import NO_LENGTHS, AttentionCall, Lengths
 from .cudnn_graphs import CompiledGraph, GraphRejected, GraphSpec, execute, frontend_unavailable_reason, graph_for_call, memoize, memoized
 from .fused_sinks import fold_sinks, sink_gradient
@@ -238,13 +238,26 @@ def _padding_rows(seqlens_q, s_q: int) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------
 
 
+def _writes_every_row(q, k, lengths: Lengths) -> bool:
+    """Whether the kernels write every packed row of O, the LSE, dQ, dK and dV, so none needs a zero
+    fill first: every token lies in a document (:func:`~cudnn_attention.validation.every_token_covered`,
+    as in every transformers batch) and q and kv share one prefix-sum tensor, so every document with
+    queries has keys and every key is seen by its own query (every mask keeps the diagonal)."""
+    cu_seqlens_q = lengths.cu_seqlens_q
+    return (
+        cu_seqlens_q is lengths.cu_seqlens_kv and q.shape[0] == k.shape[0]
+        and validation.every_token_covered(cu_seqlens_q, cu_seqlens_q, q.shape[0], k.shape[0])
+    )  # fmt: skip
+
+
 def _run_forward(plan: Plan, q, k, v, sinks, lengths: Lengths, need_lse: bool):
     graph, folds = plan.forward, plan.folds_sinks
     seqlens_q, cu_seqlens_q, cu_seqlens_kv = lengths.seqlens_q, lengths.cu_seqlens_q, lengths.cu_seqlens_kv
     padded, packed = seqlens_q is not None, cu_seqlens_q is not None
+    every_row = packed and _writes_every_row(q, k, lengths)
     # The fold writes every row, absent ones as zero and -inf: a packed out and LSE need no fill then.
     out, lse = allocate_forward_outputs(
-        q, v, packed=packed, need_lse=need_lse or folds, out_strides=graph.out_strides, zero_tails=not folds
+        q, v, packed=packed, need_lse=need_lse or folds, out_strides=graph.out_strides, zero_tails=not (folds or every_row)
     )
     operands = [q, k, v, out]
     if lse is not None:
@@ -258,7 +271,7 @@ def _run_forward(plan: Plan, q, k, v, sinks, lengths: Lengths, need_lse: bool):
         absent = None
         if padded:
             absent = invalid_B1S1[..., 0]
-        elif packed:
+        elif packed and not every_row:
             tokens = q.shape[0]
             absent = _memoized(cu_seqlens_q, cu_seqlens_kv, ("absent rows", tokens), lambda: _packed_absent_rows(cu_seqlens_q, cu_seqlens_kv, tokens))
         fold_sinks(out, lse, sinks, absent)
@@ -281,8 +294,10 @@ def _run_backward(graph, grad_out, q, k, v, out, lse, sinks, lengths: Lengths):
     if grad_out.stride() != out.stride() or grad_out.dtype != out.dtype or grad_out.data_ptr() % 16:
         # cuDNN reads dO with O's descriptor.
         grad_out = torch.empty_strided(out.shape, out.stride(), dtype=out.dtype, device=out.device).copy_(grad_out)
+    packed = lengths.cu_seqlens_q is not None
     dq, dk, dv = allocate_backward_outputs(
-        q, k, v, packed=lengths.cu_seqlens_q is not None, padded=invalid_B1S1 is not None, grad_strides=graph.grad_strides
+        q, k, v, packed=packed, padded=invalid_B1S1 is not None, grad_strides=graph.grad_strides,
+        zero_tails=not (packed and _writes_every_row(q, k, lengths)),
     )
     operands = [q, k, v, out, grad_out, lse.unsqueeze(-1), dq, dk, dv]
     operands += _length_operands(graph, lengths)

@@ -96,7 +96,7 @@ def allocate_forward_outputs(
     Dense: out adopts q's layout (``out_strides``, when the caller already derived them with
     :func:`like_layout_strides`), lse (B, H, S_q). Packed: out (T, H, D_v), lse (T, H).
     Packed tokens a kernel may leave unwritten (past ``cu_seqlens[-1]``, documents with no key)
-    start at zero (unless ``zero_tails=False``: a pass after the kernel writes every row) and lse
+    start at zero (unless ``zero_tails=False``: the kernel, or a pass after it, writes every row) and lse
     at ``-inf``, so they read as the exact result instead of stale memory; the rows of a padded
     batch are masked after the kernel instead.
     """
@@ -118,16 +118,19 @@ def allocate_forward_outputs(
 
 
 def allocate_backward_outputs(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, packed: bool, padded: bool, grad_strides: tuple | None = None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, packed: bool, padded: bool, grad_strides: tuple | None = None,
+    zero_tails: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)``. Dense gradients adopt their input's layout (autograd hands them back as
     ``.grad``); packed ones are contiguous. Packed and padded ones start at zero: tokens outside any
-    document, and sequences with no query or no key, get no write from the kernel."""
+    document, and sequences with no query or no key, get no write from the kernel (packed: unless
+    ``zero_tails=False``, when the caller knows the kernel writes every row)."""
     if packed:
+        allocate = torch.zeros if zero_tails else torch.empty
         return (
-            torch.zeros(q.shape, dtype=q.dtype, device=q.device),
-            torch.zeros(k.shape, dtype=q.dtype, device=q.device),
-            torch.zeros(v.shape, dtype=q.dtype, device=q.device),
+            allocate(q.shape, dtype=q.dtype, device=q.device),
+            allocate(k.shape, dtype=q.dtype, device=q.device),
+            allocate(v.shape, dtype=q.dtype, device=q.device),
         )
     # grad_strides: the same like_layout_strides, already derived for the graph (a backward's host time counts).
     strides = grad_strides or tuple(like_layout_strides(tuple(t.shape), t) for t in (q, k, v))

@@ -19,6 +19,8 @@ __all__ = [
     "check_qkv",
     "check_seqlens",
     "check_sinks",
+    "every_token_covered",
+    "note_every_token_covered",
     "nothing_to_compute",
     "positive_scale",
     "resolve_scale",
@@ -188,6 +190,8 @@ def check_prefix_sums(
     if validate or not cu_seqlens_q.is_cuda:
         validate_cu_seqlens(cu_seqlens_q, names[0], total_q, max_seqlen_q, max_name=names[2], cover_all=cover_all)
         validate_cu_seqlens(cu_seqlens_kv, names[1], total_kv, max_seqlen_kv, max_name=names[3], cover_all=cover_all)
+        if cover_all:
+            note_every_token_covered(cu_seqlens_q, cu_seqlens_kv, total_q, total_kv)
         return
     if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
         return
@@ -212,6 +216,25 @@ def _remember_checked(cu_seqlens_q, cu_seqlens_kv, key: tuple) -> None:
     tensor_memo.remember(cu_seqlens_q, key, True, cu_seqlens_kv)
     if key[-1]:
         tensor_memo.remember(cu_seqlens_q, key[:-1] + (False,), True, cu_seqlens_kv)
+        note_every_token_covered(cu_seqlens_q, cu_seqlens_kv, key[1], key[2])
+
+
+_EVERY_TOKEN_COVERED = "every token in a document"
+
+
+def note_every_token_covered(cu_seqlens_q, cu_seqlens_kv, total_q: int, total_kv: int) -> None:
+    """Remember, for these tensors' current versions, that both prefix sums end exactly at their token
+    counts: checked on the host, built there (transformers' ``position_ids`` path), or queued on the
+    device by a ``cover_all`` check, whose failure stops the process before any kernel reads the result."""
+    tensor_memo.remember(cu_seqlens_q, (_EVERY_TOKEN_COVERED, total_q, total_kv), True, cu_seqlens_kv)
+
+
+def every_token_covered(cu_seqlens_q, cu_seqlens_kv, total_q: int, total_kv: int) -> bool:
+    """Whether :func:`note_every_token_covered` holds for these tensors as they are now. Never while
+    capturing a CUDA graph: a replay runs whatever batch is copied into the captured tensors."""
+    if cu_seqlens_q.is_cuda and torch.cuda.is_current_stream_capturing():
+        return False
+    return tensor_memo.recall(cu_seqlens_q, (_EVERY_TOKEN_COVERED, total_q, total_kv), cu_seqlens_kv) is True
 
 
 def validate_cu_seqlens(cu_seqlens, name: str, total: int, max_seqlen: int, *, max_name: str = "max_seqlen", cover_all: bool = False) -> None:

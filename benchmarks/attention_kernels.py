@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import cudnn_attention
+from cudnn_attention import validation
 from cudnn_attention.cudnn_graphs import built_plans, clear_cache
 
 
@@ -107,6 +108,13 @@ def implementations(case: Case, q, k, v, sinks, cu):
     if case.packed:
         impls["cudnn_attention"] = lambda: cudnn_attention.varlen_attention(q, k, v, cu, cu, max_len, max_len, causal=True,
                                                                             window_size=window, sinks=sinks)  # fmt: skip
+        # What the transformers layer hands the core: prefix sums checked to cover every token, so O, the LSE and
+        # dQ/dK/dV need no zero fill (the row above, a plain varlen call, may have a capacity tail and pays them).
+        covered = cu.clone()
+        validation.check_prefix_sums(covered, covered, q.shape[0], k.shape[0], max_len, max_len, validate=False, cover_all=True)
+        impls["cudnn_attention, every token in a document"] = lambda: cudnn_attention.varlen_attention(
+            q, k, v, covered, covered, max_len, max_len, causal=True, window_size=window, sinks=sinks
+        )
         if not case.sinks:
             impls["torch flash"] = lambda: torch.ops.aten._flash_attention_forward(
                 q, k, v, cu, cu, max_len, max_len, 0.0, True, False, window_size_left=case.left if case.left >= 0 else None, window_size_right=0
@@ -215,6 +223,8 @@ def host_overhead_us(iters=2000) -> dict:
     q = torch.randn(1, 1, 128, 64, device="cuda", dtype=torch.bfloat16)
     q_grad = q.clone().requires_grad_()
     cu = torch.tensor([0, 64, 128], device="cuda", dtype=torch.int32)
+    covered = cu.clone()  # as the transformers layer hands them over: checked to cover every token (no zero fills)
+    validation.check_prefix_sums(covered, covered, 128, 128, 64, 64, validate=False, cover_all=True)
     packed = lambda t: t[0].transpose(0, 1)  # noqa: E731 - (T, H, D) view of the same memory
     floor_grads = tuple(torch.randn_like(q) for _ in range(3))
     calls = {
@@ -223,6 +233,9 @@ def host_overhead_us(iters=2000) -> dict:
         "torch cuDNN (C++)": lambda t: torch.ops.aten._scaled_dot_product_cudnn_attention(t, t, t, None, False)[0],
         "autograd floor (Python node, no work)": lambda t: _AutogradFloor.apply(t, t, t, floor_grads),
         "cudnn_attention packed": lambda t: cudnn_attention.varlen_attention(packed(t), packed(t), packed(t), cu, cu, 64, 64),
+        "cudnn_attention packed, every token in a document": lambda t: cudnn_attention.varlen_attention(
+            packed(t), packed(t), packed(t), covered, covered, 64, 64
+        ),
         "torch flash varlen": lambda t: torch.ops.aten._flash_attention_forward(packed(t), packed(t), packed(t), cu, cu, 64, 64, 0.0, False, False)[0],
     }
     result = {}

@@ -10,8 +10,11 @@ AdamW states, no autocast, no download). Every implementation starts from the sa
 copy) with a fresh AdamW, is switched in with ``model.set_attn_implementation``, and trains on the same batches:
 documents flattened into one row by transformers' ``DataCollatorWithFlattening``, already on the device, fed either
 as ``position_ids`` alone or with the flash kwargs (``cu_seq_lens_q/k``, ``max_length_q/k``) as well. ``--warmup``
-steps run first and are not timed (they hold flex_attention's compile), then ``--steps`` steps are timed
-together with CUDA events, then one more step runs under torch.profiler for the time shares and the top kernels.
+steps run first and are not timed (they hold flex_attention's compile), then (``--warm-shapes``, the default) one
+untimed forward over copies of each timed batch, so that what a long run pays once per shape (cuDNN's graphs for each
+document-count and length bucket, any flex_attention recompile) is not inside the timing, while what is derived per batch
+tensor (the documents read from ``position_ids``, the prefix-sum checks) still is: copies are new tensors. Then ``--steps``
+steps are timed together with CUDA events, then one more step runs under torch.profiler for the time shares and the top kernels.
 On gpt-oss, eager and flex_attention get document masks built from position_ids (the recipes' ``packing_safe_masks``
 hook, inside the timed step). A row that
 runs out of memory (eager at these lengths) says so, and its memory is freed before the next row. Writes
@@ -199,9 +202,22 @@ def described(error: Exception) -> str:
     return f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:100]}"
 
 
+def graph_builds(*, since: tuple[int, float] = (0, 0.0)) -> tuple[int, float]:
+    """(graphs built, seconds spent building them) by cudnn_attention since its stats were reset, or since an earlier answer."""
+    builds = cudnn_attention.stats()["graph_builds"]
+    return builds["forward"] + builds["backward"] - since[0], builds["seconds"] - since[1]
+
+
+def warm_shapes(model, batches: list[dict]) -> None:
+    """One forward of each batch, on copies of its tensors, gradients enabled (so cuDNN resolves the backward graph too)."""
+    for batch in batches:
+        model(**{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in batch.items()})
+
+
 def run_one(model, initial: dict, setup: Setup, impl: str, packing: str, batches: list[dict], *, warmup: int, profile: bool,
-            device: str) -> dict:  # fmt: skip
-    """One (implementation, packing) row: warm-up, timed steps, peak memory, and the profile of one more step."""
+            device: str, shapes_first: bool = True) -> dict:  # fmt: skip
+    """One (implementation, packing) row: warm-up, the shape pass (``shapes_first``, see :func:`warm_shapes`), timed steps,
+    peak memory, and the profile of one more step."""
     row, notes = {"config": setup.name, "implementation": impl, "packing": packing}, []
     try:
         model.set_attn_implementation(impl)
@@ -223,16 +239,21 @@ def run_one(model, initial: dict, setup: Setup, impl: str, packing: str, batches
     try:
         for batch in batches[:warmup]:
             step(batch)
+        timed = batches[warmup:-1]
+        if shapes_first:
+            before = graph_builds()
+            warm_shapes(model, timed)
+            built, build_seconds = graph_builds(since=before)
+            if built:
+                notes.append(f"{built} cuDNN graphs built for the timed batches' shapes before the timing ({build_seconds:.2f} s)")
         if device == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-        timed = batches[warmup:-1]
-        builds_before = cudnn_attention.stats()["graph_builds"]
+        before = graph_builds()
         seconds = timed_seconds(step, timed, device)
-        builds_after = cudnn_attention.stats()["graph_builds"]
-        built = builds_after["forward"] + builds_after["backward"] - builds_before["forward"] - builds_before["backward"]
-        if built:  # a batch with document counts or lengths the warm-up did not see: its graphs' build time is in the step time
-            notes.append(f"{built} cuDNN graphs built during the timed steps ({builds_after['seconds'] - builds_before['seconds']:.2f} s)")
+        built, build_seconds = graph_builds(since=before)
+        if built:  # a batch with document counts or lengths not seen before: its graphs' build time is in the step time
+            notes.append(f"{built} cuDNN graphs built during the timed steps ({build_seconds:.2f} s)")
         row |= {"tokens_per_s": setup.tokens * len(timed) / seconds, "step_ms": 1000 * seconds / len(timed),
                 "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None}  # fmt: skip
         # Profiled after the timing: since torch 2.7 (pytorch#146604) CUPTI is torn down when a profile ends, so the
@@ -319,7 +340,8 @@ def environment(args, device: str) -> list[str]:
     lines = [
         f"{where}; torch {torch.__version__}, transformers {transformers.__version__}, cuDNN {torch.backends.cudnn.version()}, frontend {frontend}.",
         (f"bf16 weights and AdamW states (no autocast); {args.warmup} untimed warm-up step(s) (flex_attention's compile among them), "
-         f"{args.steps} timed steps, same weights and batches for every row; tokens/s counts real tokens (no padding)."),
+         + ("then one untimed forward over copies of each timed batch (graphs and recompiles for their shapes), " if args.warm_shapes else "")
+         + f"{args.steps} timed steps, same weights and batches for every row; tokens/s counts real tokens (no padding)."),
     ]  # fmt: skip
     if device != "cuda":
         lines.append(
@@ -337,6 +359,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--steps", type=int, default=None, help="timed steps per row (default 10; --quick: 2)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps first, with any compile (default 3; --quick: 1)")
     parser.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True, help="profile one more step per row")
+    parser.add_argument("--warm-shapes", action=argparse.BooleanOptionalAction, default=True,
+                        help="one untimed forward over copies of the timed batches first: one-time per-shape work (graph builds) out of the timing")  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="tiny models, 2 steps, 256 tokens: the plumbing, on a CPU in seconds")
     parser.add_argument("--out", type=Path, default=None, help="folder for end_to_end.md/.json (default benchmarks/results; --quick: none)")
     args = parser.parse_args(argv)
@@ -357,7 +381,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for impl in args.impls:
             for packing in ("position_ids", "flash kwargs") if impl in BOTH_PACKINGS else ("position_ids",):
                 config_rows.append(
-                    run_one(model, initial, setup, impl, packing, batches, warmup=args.warmup, profile=args.profile, device=device)
+                    run_one(model, initial, setup, impl, packing, batches, warmup=args.warmup, profile=args.profile, device=device,
+                            shapes_first=args.warm_shapes)  # fmt: skip
                 )
                 print(json.dumps({k: v for k, v in config_rows[-1].items() if k not in ("profile", "cudnn_stats")}), flush=True)
         add_ratios(config_rows)

@@ -120,3 +120,26 @@ def test_graphs_built_during_the_timed_steps_are_noted(monkeypatch):
     monkeypatch.setattr(end_to_end, "train_step", step_that_builds)
     row = end_to_end.run_one(model, initial, setup, "cudnn", "position_ids", batches, warmup=1, profile=False, device="cpu")
     assert "1 cuDNN graphs built during the timed steps (0.25 s)" in row["note"], row["note"]
+
+
+def test_the_shape_pass_runs_each_timed_batch_once_on_copies_before_the_timing(monkeypatch):
+    # Copies: what is kept on a batch's own tensors (the documents read from position_ids) must still be paid in the timed steps.
+    setup = end_to_end.quick(end_to_end.SETUPS["llama"])
+    model = end_to_end.build_model(setup, "cpu")
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    batches = end_to_end.make_batches(setup, 5, "cpu")
+    seen = []
+    real_forward = model.forward
+
+    def forward(**inputs):
+        seen.append(inputs["position_ids"])
+        return real_forward(**inputs)
+
+    monkeypatch.setattr(model, "forward", forward)
+    end_to_end.run_one(model, initial, setup, "cudnn", "position_ids", batches, warmup=1, profile=False, device="cpu")
+    timed = batches[1:-1]
+    # warm-up step, the shape pass over copies of the 3 timed batches, then the 3 timed steps themselves
+    assert len(seen) == 1 + 2 * len(timed)
+    for copy, batch in zip(seen[1 : 1 + len(timed)], timed):
+        assert copy is not batch["position_ids"] and torch.equal(copy, batch["position_ids"])
+    assert [t is b["position_ids"] for t, b in zip(seen[1 + len(timed) :], timed)] == [True] * len(timed)

@@ -161,6 +161,51 @@ def test_packed_empty_documents_and_capacity_tail_are_zero():
     assert all(torch.isfinite(g).all() for g in grads)
 
 
+def _spy_on_fills(monkeypatch):
+    """Record the ``zero_tails`` each packed allocation gets: whether the zero fill was skipped."""
+    from cudnn_attention import cudnn_ops
+
+    fills = {"forward": [], "backward": []}
+    for direction, name in (("forward", "allocate_forward_outputs"), ("backward", "allocate_backward_outputs")):
+        real = getattr(cudnn_ops, name)
+
+        def spy(*args, _real=real, _seen=fills[direction], **kwargs):
+            _seen.append(kwargs.get("zero_tails", True))
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(cudnn_ops, name, spy)
+    return fills
+
+
+@pytest.mark.parametrize("mask_name", ["none", "causal", "left_window", "left_right_window"])
+@pytest.mark.parametrize("sinks", [False, True])
+def test_packed_outputs_without_their_fill_are_written_in_every_row(mask_name, sinks, monkeypatch):
+    # Prefix sums that cover every token, one tensor for q and kv (a transformers batch; an empty document
+    # among them): O, the LSE and dQ/dK/dV are allocated without their zero fill, so any row the kernels left
+    # unwritten would read the poison.
+    from cudnn_attention import validation
+
+    q, k, v, s, cu, _, mq, mk = _packed_case([*ODD_LENGTHS, 0, 40], sinks=sinks)
+    validation.check_prefix_sums(cu, cu, q.shape[0], k.shape[0], mq, mk, validate=False, cover_all=True)
+    fills = _spy_on_fills(monkeypatch)
+    _poison_allocator(q, k, v, torch.empty(q.shape[:2], device=DEVICE))
+    out, grads = _check_packed(MASKS[mask_name], q, k, v, s, cu, cu, mq, mk)
+    assert fills == {"forward": [False], "backward": [False]}
+    assert torch.isfinite(out).all() and all(torch.isfinite(g).all() for g in grads)
+
+
+def test_the_poison_shows_a_fill_skipped_where_rows_are_unwritten(monkeypatch):
+    # The test above is only as good as its poison: with the fill wrongly skipped for a capacity tail, the tail reads it.
+    from cudnn_attention import cudnn_ops
+
+    monkeypatch.setattr(cudnn_ops, "_writes_every_row", lambda q, k, lengths: True)
+    q, k, v, _, cu_q, cu_kv, mq, mk = _packed_case([50, 31], tail=7)
+    _poison_allocator(q, k, v)
+    with torch.no_grad():
+        out = cudnn_attention.varlen_attention(q, k, v, cu_q, cu_kv, mq, mk, causal=True)
+    assert not torch.isfinite(out[-7:]).all()
+
+
 def test_packed_documents_do_not_leak():
     q, k, v, sinks, cu_q, cu_kv, mq, mk = _packed_case([100, 60, 90], sinks=True)
     grad_out = torch.randn_like(q)

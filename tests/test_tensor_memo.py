@@ -63,3 +63,51 @@ def test_ragged_operands_are_computed_once_per_tensor_version():
     cu_kv[3] = 5  # the next batch written into the same buffer
     again = _memoized(cu_q, cu_kv, key, compute)
     assert len(calls) == 2 and again[1].view(-1).tolist() == [2, 2, 1, 0]
+
+
+def test_every_token_covered_is_known_only_while_the_prefix_sums_are_what_was_checked():
+    from cudnn_attention import validation
+
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    assert not validation.every_token_covered(cu, cu, 8, 8)  # never checked
+    validation.check_prefix_sums(cu, cu, 8, 8, 5, 5, validate=False)  # ends within the tokens: not enough
+    assert not validation.every_token_covered(cu, cu, 8, 8)
+    validation.check_prefix_sums(cu, cu, 8, 8, 5, 5, validate=False, cover_all=True)
+    assert validation.every_token_covered(cu, cu, 8, 8)
+    assert not validation.every_token_covered(cu, cu, 9, 9)  # other token counts
+    cu[2] = 7  # a capacity tail now: the fact is gone with the version
+    assert not validation.every_token_covered(cu, cu, 8, 8)
+    tail = torch.tensor([0, 3, 7], dtype=torch.int32)
+    with pytest.raises(ValueError, match="leaves tokens 7..7"):
+        validation.check_prefix_sums(tail, tail, 8, 8, 5, 5, validate=False, cover_all=True)
+    assert not validation.every_token_covered(tail, tail, 8, 8)
+
+
+def test_packing_from_position_ids_knows_its_prefix_sums_cover_every_token():
+    pytest.importorskip("transformers")
+    from cudnn_attention import validation
+    from cudnn_attention.integrations.hf.attention_function import _packing_from_position_ids
+
+    (cu_q, cu_k), _ = _packing_from_position_ids(torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3]]), 1, 9, 9)
+    assert cu_q is cu_k and validation.every_token_covered(cu_q, cu_k, 9, 9)
+
+
+@pytest.mark.parametrize("case", ["covered", "tail", "two tensors", "kv tokens differ"])
+def test_packed_outputs_skip_their_zero_fill_only_when_the_kernel_writes_every_row(case):
+    from cudnn_attention import validation
+    from cudnn_attention.call import Lengths
+    from cudnn_attention.cudnn_ops import _writes_every_row
+
+    q = torch.empty(8, 2, 4)
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    cu_kv, k = cu, q
+    if case == "tail":
+        cu = cu_kv = torch.tensor([0, 3, 7], dtype=torch.int32)
+    elif case == "two tensors":  # each covers every token, but kv's documents could differ from q's
+        cu_kv = cu.clone()
+        validation.note_every_token_covered(cu, cu, q.shape[0], k.shape[0])
+    elif case == "kv tokens differ":
+        k = torch.empty(9, 2, 4)
+    if case not in ("tail", "two tensors"):
+        validation.note_every_token_covered(cu, cu_kv, q.shape[0], k.shape[0])
+    assert _writes_every_row(q, k, Lengths(None, None, cu, cu_kv)) is (case == "covered")

@@ -255,6 +255,7 @@ def _packing_from_position_ids(position_ids, batch: int, q_len: int, kv_len: int
     packing = None
     if len(bounds) > 2:
         cu = torch.tensor(bounds, dtype=torch.int32, device=position_ids.device)
+        validation.note_every_token_covered(cu, cu, position_T.numel(), position_T.numel())  # built so: the kernels need no fill
         longest = max(end - start for start, end in zip(bounds, bounds[1:]))
         packing = ((cu, cu), (longest, longest))
     tensor_memo.remember(position_ids, "packing", (packing,))  # wrapped: None (no packing) is an answer too
