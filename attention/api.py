@@ -17,7 +17,7 @@ from .call import NO_LENGTHS, AttentionCall, Lengths
 from .cudnn_graphs import memoize, memoized
 from .cudnn_ops import cudnn_forward, resolve_cudnn
 from .layouts import token_major
-from .masking import effective_lengths, make_mask_spec
+from .masking import effective_lengths, is_int_window, make_mask_spec
 from .policy import fallback_output, note_fallback
 from .reference import dense_reference, varlen_reference
 
@@ -40,7 +40,7 @@ def _call_signature(q, k, v, scale, causal, bottom_right, window_size, sinks, re
         return None
     if not (scale is None or type(scale) is float) or type(causal) is not bool or type(bottom_right) is not bool:
         return None
-    if type(window_size) is not tuple or len(window_size) != 2 or type(window_size[0]) is not int or type(window_size[1]) is not int:
+    if not is_int_window(window_size):
         return None
     if sinks is not None and not isinstance(sinks, torch.Tensor):
         return None

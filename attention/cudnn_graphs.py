@@ -468,12 +468,12 @@ def execute(graph: CompiledGraph, operands: list, device_index: int) -> None:
     """Launch ``graph`` on torch's current stream with ``operands`` in the graph's uid order."""
     handle, stream = _bound_handle(device_index)
     workspace = _workspace(graph.workspace_size, operands[0].device, stream)
+    workspace_ptr = workspace.data_ptr() if workspace is not None else 0
     if graph.pointer_order is not None:
         pointers = array.array("Q", [operands[i].data_ptr() for i in graph.pointer_order])
-        workspace_ptr = workspace.data_ptr() if workspace is not None else 0
         _compat.execute_pointer_array(graph.lowered, pointers, workspace_ptr, graph.cpp_index, handle.backend_handle)
     elif graph.lowered is not None:
         pointers = {uid: t.data_ptr() for uid, t in zip(graph.uids, operands)}
-        _compat.execute_lowered(graph.lowered, pointers, workspace.data_ptr() if workspace is not None else 0, graph.cpp_index, handle.backend_handle)
+        _compat.execute_lowered(graph.lowered, pointers, workspace_ptr, graph.cpp_index, handle.backend_handle)
     else:
         graph.graph.execute(operands, workspace, handle=handle, tensor_uids=graph.uids)

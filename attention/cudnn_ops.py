@@ -99,10 +99,15 @@ def _spec(direction, q, k, v, call: AttentionCall, deterministic: bool) -> Graph
     )  # fmt: skip
 
 
+def _tensor_geometry(q, k, v) -> tuple:
+    """What of q/k/v a graph or plan depends on besides the call value: a handful of attribute reads."""
+    return q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.get_device()
+
+
 def _graph_for(direction: str, q, k, v, call: AttentionCall, deterministic: bool):
     """The compiled graph serving this call (raises :class:`GraphRejected`). The key is the call
-    value plus the tensors' geometry: a handful of attribute reads, the whole steady-state cost."""
-    signature = (direction, call, q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.get_device(), deterministic)
+    value plus the tensors' geometry, the whole steady-state cost."""
+    signature = (direction, call, _tensor_geometry(q, k, v), deterministic)
     return graph_for_call(signature, lambda: _spec(direction, q, k, v, call, deterministic))
 
 
@@ -125,8 +130,7 @@ def resolve_cudnn(q, k, v, call: AttentionCall) -> tuple[Plan | None, str | None
     if unavailable is not None:
         return None, unavailable
     deterministic = torch.are_deterministic_algorithms_enabled()
-    signature = ("plan", call, q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.get_device(), deterministic,
-                 SINK_FORWARD)  # fmt: skip
+    signature = ("plan", call, _tensor_geometry(q, k, v), deterministic, SINK_FORWARD)
     plan = memoized(signature)
     if plan is None:
         try:

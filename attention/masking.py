@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["MaskSpec", "effective_lengths", "make_mask_spec", "visible_keys"]
+__all__ = ["MaskSpec", "effective_lengths", "is_int_window", "make_mask_spec", "visible_keys"]
 
 
 class MaskSpec(NamedTuple):
@@ -50,12 +50,16 @@ def _as_window(window_size) -> tuple[int, int]:
     return left, right
 
 
+def is_int_window(window_size) -> bool:
+    """Whether ``window_size`` is a tuple of two plain ints: the form whose equal values mean equal masks.
+    ``(1.0, 0)`` and ``(True, 0)`` equal ``(1, 0)`` as keys, but are errors."""
+    return type(window_size) is tuple and len(window_size) == 2 and type(window_size[0]) is int and type(window_size[1]) is int
+
+
 def make_mask_spec(*, causal: bool, bottom_right: bool, window_size) -> MaskSpec:
     """Fold ``causal``/``bottom_right``/``window_size`` into one :class:`MaskSpec`, rejecting contradictions."""
-    # Every call asks this; the answer for a given triple never changes (errors are not cached). Only int bounds:
-    # (1.0, 0) and (True, 0) are keys equal to (1, 0), but errors.
-    int_pair = type(window_size) is tuple and len(window_size) == 2 and type(window_size[0]) is int and type(window_size[1]) is int
-    if int_pair and not torch.compiler.is_compiling():
+    # Every call asks this; the answer for a given triple never changes (errors are not cached), for int bounds only.
+    if is_int_window(window_size) and not torch.compiler.is_compiling():
         return _memoized_mask_spec(bool(causal), bool(bottom_right), window_size)
     return _mask_spec(bool(causal), bool(bottom_right), window_size)
 
