@@ -16,6 +16,7 @@ import torch
 
 __all__ = [
     "assert_on_device",
+    "autograd_apply",
     "impl_over",
     "attn_implementation_of",
     "custom_op_body",
@@ -47,6 +48,19 @@ def plain_dispatch() -> bool:
         return not torch._C._len_torch_dispatch_stack() and not torch._C._are_functorch_transforms_active()
     except AttributeError:
         return False
+
+
+def autograd_apply(function: type):
+    """``function.apply`` without its Python layer: ``torch._C._FunctionBase.apply`` bound to ``function``.
+
+    ``torch.autograd.Function.apply`` (torch 2.9-2.15) first binds the arguments to ``forward``'s signature
+    when the class defines ``setup_context`` and unwraps dead functorch wrappers, then calls this. Callers
+    use it only where :func:`plain_dispatch` holds (no functorch transform) for a class without
+    ``setup_context``, so both steps are no-ops there; skipping them saves about a quarter of ``apply``.
+    A dead wrapper is no concern either: it has no storage, and the callers read every tensor's
+    ``data_ptr()`` first, which raises for one. When the C apply moves, ``function.apply`` serves."""
+    descriptor = getattr(torch._C, "_FunctionBase", object).__dict__.get("apply")
+    return function.apply if descriptor is None else descriptor.__get__(None, function)
 
 
 # The dispatcher, as the provider sees it: op schemas, who registered which kernel, SDP backend order.

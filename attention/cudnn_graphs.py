@@ -465,7 +465,10 @@ def _construct(cudnn, spec: GraphSpec, handle) -> CompiledGraph:
 
 
 def execute(graph: CompiledGraph, operands: list, device_index: int) -> None:
-    """Launch ``graph`` on torch's current stream with ``operands`` in the graph's uid order."""
+    """Launch ``graph`` on torch's current stream with ``operands`` in the graph's uid order. Only each
+    operand's address is read (the graph holds the dims and strides), so an LSE or a length vector goes in
+    as it is, not viewed to the graph's (B, H, S, 1) dims; the public ``pygraph.execute`` takes them the same
+    way (``test_every_launch_path_gives_the_same_bits``)."""
     handle, stream = _bound_handle(device_index)
     workspace = _workspace(graph.workspace_size, operands[0].device, stream)
     workspace_ptr = workspace.data_ptr() if workspace is not None else 0

@@ -197,7 +197,7 @@ def _length_operands(graph, lengths: Lengths) -> list:
     if cu_seqlens_q is None:
         if lengths.seqlens_q is None:
             return []
-        return [_aligned(lengths.seqlens_q, "seqlens_q").view(-1, 1, 1, 1), _aligned(lengths.seqlens_kv, "seqlens_kv").view(-1, 1, 1, 1)]
+        return [_aligned(lengths.seqlens_q, "seqlens_q"), _aligned(lengths.seqlens_kv, "seqlens_kv")]
     return _memoized(cu_seqlens_q, cu_seqlens_kv, ("ragged operands", graph.batch, graph.ragged_columns),
                      lambda: _ragged_operands(graph, cu_seqlens_q, cu_seqlens_kv))  # fmt: skip
 
@@ -263,11 +263,12 @@ def _run_forward(plan: Plan, q, k, v, sinks, lengths: Lengths, need_lse: bool):
     out, lse = allocate_forward_outputs(
         q, v, packed=packed, need_lse=need_lse or folds, out_strides=graph.out_strides, zero_tails=not (folds or every_row)
     )
+    # Operands are read for their addresses alone (see cudnn_graphs.execute): no (B, H, S, 1) views of the LSE or sinks.
     operands = [q, k, v, out]
     if lse is not None:
-        operands.append(lse.unsqueeze(-1))
+        operands.append(lse)
     if sinks is not None and not folds:
-        operands.append(_aligned(sinks, "sinks").view(1, -1, 1, 1))
+        operands.append(_aligned(sinks, "sinks"))
     operands += _length_operands(graph, lengths)
     execute(graph, operands, q.device.index)
     invalid_B1S1 = _padding_rows(seqlens_q, q.shape[2]) if padded else None
@@ -290,8 +291,8 @@ def _run_forward(plan: Plan, q, k, v, sinks, lengths: Lengths, need_lse: bool):
 
 
 def _run_backward(graph, grad_out, q, k, v, out, lse, sinks, lengths: Lengths):
-    """``(dq, dk, dv, dsinks)``; ``dsinks`` is None without sinks."""
-    q, k, v, out = _aligned(q, "q"), _aligned(k, "k"), _aligned(v, "v"), _aligned(out, "out")
+    """``(dq, dk, dv, dsinks)``; ``dsinks`` is None without sinks. q/k/v/out are 16-byte aligned (the
+    op's backward aligns what it was handed; the eager path saved the aligned ones its forward ran on)."""
     invalid_B1S1 = None if lengths.seqlens_q is None else _padding_rows(lengths.seqlens_q, q.shape[2])
     if invalid_B1S1 is not None:
         grad_out = grad_out.masked_fill(invalid_B1S1, 0)  # padded rows' outputs are constant zero: no gradient flows from them
@@ -303,7 +304,7 @@ def _run_backward(graph, grad_out, q, k, v, out, lse, sinks, lengths: Lengths):
         q, k, v, packed=packed, padded=invalid_B1S1 is not None, grad_strides=graph.grad_strides,
         zero_tails=not (packed and _writes_every_row(q, k, lengths)),
     )
-    operands = [q, k, v, out, grad_out, lse.unsqueeze(-1), dq, dk, dv]
+    operands = [q, k, v, out, grad_out, lse, dq, dk, dv]
     operands += _length_operands(graph, lengths)
     execute(graph, operands, q.device.index)
     if invalid_B1S1 is not None:
@@ -343,6 +344,8 @@ def _backward_cuda(grad_out, q, k, v, out, lse, sinks, seqlens_q, seqlens_kv, cu
                    scale, window_left, window_right, bottom_right, deterministic):  # fmt: skip
     call = _op_call(sinks, seqlens_q, cu_seqlens_q, max_seqlen_q, max_seqlen_kv, scale, window_left, window_right, bottom_right,
                     True, True)  # fmt: skip
+    # The op saved its inputs as given: the forward ran on aligned copies of any that were not.
+    q, k, v, out = _aligned(q, "q"), _aligned(k, "k"), _aligned(v, "v"), _aligned(out, "out")
     graph = _graph_for("backward", q, k, v, call, deterministic)
     lengths = Lengths(seqlens_q, seqlens_kv, cu_seqlens_q, cu_seqlens_kv)
     dq, dk, dv, dsinks = _run_backward(graph, grad_out, q, k, v, out, lse, sinks, lengths)
@@ -434,6 +437,10 @@ class _EagerAttention(torch.autograd.Function):
         return dq, dk, dv, dsinks, None, None, None
 
 
+# Function.apply's Python layer binds signatures and unwraps functorch wrappers, neither needed where _eager_safe holds.
+_eager_attention = _compat.autograd_apply(_EagerAttention)
+
+
 def _eager_safe(q, k, v) -> bool:
     """A plain eager call on plain tensors, with no dispatch mode (FakeTensor, functionalization,
     debug modes) that must see the op: then the dispatcher layers can be skipped."""
@@ -448,7 +455,7 @@ def cudnn_forward(plan: Plan | None, call: AttentionCall, q, k, v, *, sinks, len
         q, k, v = _aligned(q, "q"), _aligned(k, "k"), _aligned(v, "v")
         if not call.needs_grad:
             return _run_forward(plan, q, k, v, sinks, lengths, call.need_lse)
-        return _EagerAttention.apply(q, k, v, sinks, plan, call, lengths)
+        return _eager_attention(q, k, v, sinks, plan, call, lengths)
     mask = call.mask
     out, lse = torch.ops.cudnn_attention.forward(
         q, k, v, sinks, *lengths, call.max_seqlen_q, call.max_seqlen_kv, call.scale, mask.left, mask.right, mask.bottom_right, call.need_lse

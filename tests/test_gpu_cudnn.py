@@ -413,11 +413,13 @@ def test_graph_builds_and_rejections_free_the_callers_tensors_without_the_gc():
 
 @pytest.mark.parametrize("sinks", [False, True])
 def test_every_launch_path_gives_the_same_bits(monkeypatch, sinks):
-    """The raw pointer array (the default), the frontend's uid map and the public ``pygraph.execute``."""
+    """The raw pointer array (the default), the frontend's uid map and the public ``pygraph.execute``; packed,
+    dense and padded calls (their LSE, sinks and lengths go to the launch as they are, not viewed to 4-D)."""
     from cudnn_attention import _compat, cudnn_graphs
 
     q, k, v, s, cu_q, cu_kv, mq, mk = _packed_case(ODD_LENGTHS, sinks=sinks)
     dense = _dense_case("causal", 4, 64, torch.bfloat16, sinks=sinks)
+    lengths = torch.tensor([203, 77], device=DEVICE, dtype=torch.int32)
     results = []
     for path in ("pointer array", "uid map", "public"):
         monkeypatch.setenv("CUDNN_ATTENTION_PUBLIC_EXECUTE", "1" if path == "public" else "0")
@@ -426,8 +428,10 @@ def test_every_launch_path_gives_the_same_bits(monkeypatch, sinks):
         cudnn_graphs.clear_cache()
         out = cudnn_attention.varlen_attention(q, k, v, cu_q, cu_kv, mq, mk, causal=True, sinks=s)
         dense_out = cudnn_attention.attention(*dense[:3], causal=True, sinks=dense[3])
+        padded_out = cudnn_attention.attention(*dense[:3], causal=True, sinks=dense[3], seqlens_q=lengths, seqlens_kv=lengths)
         inputs = [t for t in (q, k, v, s, *dense) if t is not None]
-        results.append((out, dense_out, *torch.autograd.grad((out, dense_out), inputs, (torch.ones_like(out), torch.ones_like(dense_out)))))
+        outs = (out, dense_out, padded_out)
+        results.append((*outs, *torch.autograd.grad(outs, inputs, tuple(torch.ones_like(o) for o in outs))))
         graphs = list(cudnn_graphs._cache.values())
         assert len(graphs) >= 4
         if path == "pointer array":
