@@ -1,0 +1,76 @@
+"""Python host cost of the eager cuDNN path, on a CPU: every layer of a served call runs, the launch is stood in for.
+
+The H200 machine's host is shared and noisy (the same code moved by up to 45% between two processes), so this
+measures the project's own Python on any machine: ``cudnn_forward`` with a resolved plan of stand-in graphs, whose
+launch builds the operand pointer array as ``cudnn_graphs.execute`` does and stops there, for a no-grad forward, a
+forward with grad-requiring inputs (through the ``_EagerAttention`` node) and ``torch.autograd.grad`` through it
+(B=H=1, S=128, D=64, bf16 on the CPU). Microseconds per call, the least of ten round means (``attention_kernels.host_us_in_turns``).
+
+    python3 benchmarks/host_path_cpu.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import array
+import json
+
+import torch
+
+from cudnn_attention import cudnn_ops
+from cudnn_attention.call import NO_LENGTHS, AttentionCall
+from cudnn_attention.masking import make_mask_spec
+
+from attention_kernels import host_us_in_turns
+
+
+class _StandInGraph:
+    """What the kernels read of a compiled graph (dense, S=128, D=64), with no frontend object behind it."""
+
+    def __init__(self, operands: int):
+        self.pointer_order = tuple(range(operands))
+        self.out_strides = (128 * 64, 128 * 64, 64, 1)
+        self.grad_strides = (self.out_strides,) * 3
+        self.workspace_size = 0
+
+
+def _launch_stand_in(graph, operands, device_index) -> None:
+    array.array("Q", [operands[i].data_ptr() for i in graph.pointer_order if i < len(operands)])
+
+
+def _no_device() -> None:
+    pass  # CPU tensors: nothing queued
+
+
+def host_path_us(iters: int = 20000) -> dict:
+    saved = cudnn_ops.execute
+    cudnn_ops.execute = _launch_stand_in
+    try:
+        plan = cudnn_ops.Plan(_StandInGraph(5), _StandInGraph(9), False, False)
+        mask = make_mask_spec(causal=False, bottom_right=False, window_size=(-1, -1))
+        grad_call = AttentionCall(False, False, 0, 128, 128, 0.125, mask, False, True, True)
+        no_grad_call = grad_call._replace(need_lse=False, needs_grad=False)
+        torch.manual_seed(0)
+        q = torch.randn(1, 1, 128, 64, dtype=torch.bfloat16, requires_grad=True)
+        forward = lambda call: cudnn_ops.cudnn_forward(plan, call, q, q, q, sinks=None, lengths=NO_LENGTHS)  # noqa: E731
+        with torch.no_grad():
+            no_grad = host_us_in_turns({"": lambda: forward(no_grad_call)}, iters, sync=_no_device)[""]
+        grad_forward = host_us_in_turns({"": lambda: forward(grad_call)}, iters, sync=_no_device)[""]
+        out, _ = forward(grad_call)
+        grad_out = torch.randn_like(out)
+        backward = host_us_in_turns({"": lambda: torch.autograd.grad(out, q, grad_out, retain_graph=True)}, iters // 4, sync=_no_device)[""]
+    finally:
+        cudnn_ops.execute = saved
+    return {"no-grad forward": no_grad, "grad forward": grad_forward, "backward": backward}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--iters", type=int, default=20000)
+    result = host_path_us(parser.parse_args(argv).iters)
+    print(json.dumps({name: round(us, 2) for name, us in result.items()}))
+    return result
+
+
+if __name__ == "__main__":
+    main()
