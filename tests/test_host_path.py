@@ -22,8 +22,8 @@ class _Scale(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, out = ctx.saved_tensors
-        return grad_out * ctx.factor + 0 * (x + out).sum(), None
+        ctx.saved_tensors  # unpacking is where autograd checks their versions
+        return grad_out * ctx.factor, None
 
 
 def test_c_level_apply_records_the_same_node_and_gradients_as_apply():
