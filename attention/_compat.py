@@ -53,8 +53,9 @@ def plain_dispatch() -> bool:
 def autograd_apply(function: type):
     """``function.apply`` without its Python layer: ``torch._C._FunctionBase.apply`` bound to ``function``.
 
-    ``torch.autograd.Function.apply`` (torch 2.9-2.15) first binds the arguments to ``forward``'s signature
-    when the class defines ``setup_context`` and unwraps dead functorch wrappers, then calls this. Callers
+    Up to torch 2.13, ``torch.autograd.Function.apply`` is a Python classmethod that first binds the
+    arguments to ``forward``'s signature when the class defines ``setup_context`` and unwraps dead functorch
+    wrappers, then calls this; from 2.14 on, ``apply`` is this C method itself, and the two are one. Callers
     use it only where :func:`plain_dispatch` holds (no functorch transform) for a class without
     ``setup_context``, so both steps are no-ops there; skipping them saves about a quarter of ``apply``.
     A dead wrapper is no concern either: it has no storage, and the callers read every tensor's

@@ -437,7 +437,8 @@ class _EagerAttention(torch.autograd.Function):
         return dq, dk, dv, dsinks, None, None, None
 
 
-# Function.apply's Python layer binds signatures and unwraps functorch wrappers, neither needed where _eager_safe holds.
+# Function.apply's Python layer (torch <= 2.13) binds signatures and unwraps functorch wrappers, neither needed where
+# _eager_safe holds.
 _eager_attention = _compat.autograd_apply(_EagerAttention)
 
 
