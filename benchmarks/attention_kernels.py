@@ -100,6 +100,14 @@ def make_inputs(case: Case, seed=0):
     return q, k, v, sinks, cu
 
 
+def covering_every_token(cu, tokens: int, max_len: int):
+    """A copy of the prefix sums ``cu`` (q's and kv's alike) as the transformers layer hands them to the core:
+    checked to end exactly at ``tokens``, so O, the LSE and dQ/dK/dV are allocated without their zero fill."""
+    covered = cu.clone()
+    validation.check_prefix_sums(covered, covered, tokens, tokens, max_len, max_len, validate=False, cover_all=True)
+    return covered
+
+
 def implementations(case: Case, q, k, v, sinks, cu):
     """name -> forward callable returning the differentiable output, for implementations that serve the case."""
     max_len = max(case.doc_lengths)
@@ -108,10 +116,8 @@ def implementations(case: Case, q, k, v, sinks, cu):
     if case.packed:
         impls["cudnn_attention"] = lambda: cudnn_attention.varlen_attention(q, k, v, cu, cu, max_len, max_len, causal=True,
                                                                             window_size=window, sinks=sinks)  # fmt: skip
-        # What the transformers layer hands the core: prefix sums checked to cover every token, so O, the LSE and
-        # dQ/dK/dV need no zero fill (the row above, a plain varlen call, may have a capacity tail and pays them).
-        covered = cu.clone()
-        validation.check_prefix_sums(covered, covered, q.shape[0], k.shape[0], max_len, max_len, validate=False, cover_all=True)
+        # The row above, a plain varlen call, may have a capacity tail and pays the zero fills; this one does not.
+        covered = covering_every_token(cu, q.shape[0], max_len)
         impls["cudnn_attention, every token in a document"] = lambda: cudnn_attention.varlen_attention(
             q, k, v, covered, covered, max_len, max_len, causal=True, window_size=window, sinks=sinks
         )
@@ -234,8 +240,7 @@ def host_overhead_us(iters=2000) -> dict:
     q = torch.randn(1, 1, 128, 64, device="cuda", dtype=torch.bfloat16)
     q_grad = q.clone().requires_grad_()
     cu = torch.tensor([0, 64, 128], device="cuda", dtype=torch.int32)
-    covered = cu.clone()  # as the transformers layer hands them over: checked to cover every token (no zero fills)
-    validation.check_prefix_sums(covered, covered, 128, 128, 64, 64, validate=False, cover_all=True)
+    covered = covering_every_token(cu, 128, 64)
     packed = lambda t: t[0].transpose(0, 1)  # noqa: E731 - (T, H, D) view of the same memory
     floor_grads = tuple(torch.randn_like(q) for _ in range(3))
     calls = {
