@@ -7,8 +7,9 @@ for (dtype, shapes, strides, mask, scale, sinks, need_lse, max_seqlen bounds) an
 the lengths (dense ``seqlens``, packed document lengths under the family's bounds), so each family builds
 one forward and one backward graph rather than one per case.
 
-Profiles: ``"gpu"`` (float16/bfloat16, D 32..256, S up to 300, T up to 1000) and ``"cpu"`` (float32, small
-shapes, served by the exact fallback).
+Profiles: ``"gpu"`` (float16/bfloat16, D 32..256, S up to 300, T up to 1000, and a quarter of the families
+step-sized: S up to 2048, T up to 3000, documents up to 2047 tokens, up to 64 heads) and ``"cpu"`` (float32,
+small shapes, served by the exact fallback).
 """
 
 from __future__ import annotations
@@ -34,8 +35,21 @@ PROFILES = {
         docs=[1, 2, 3, 5, 8],
         doc_bound=[1, 16, 64, 100, 128, 200, 256],
         tokens=[16, 64, 150, 300, 512, 700, 1000],
-        windows=[0, 1, 7, 32, 100],
+        windows=[0, 1, 3, 7, 32, 100, 128],
         max_heads=16,
+        # A quarter of the families are step-sized: long documents, many heads, the sizes of a fine-tuning step.
+        # Errors that touch a few rows in a hundred thousand (the sink fold's, see test_fused_sinks.py) need them.
+        large=0.25,
+        large_seq=[512, 1000, 1500, 2048],
+        large_batch=[1, 2, 4],
+        large_docs=[2, 3, 5, 8, 9],
+        large_doc_bound=[300, 500, 598, 1023, 1500, 2047],
+        large_tokens=[1024, 1500, 2048, 2500, 3000],
+        large_windows=[1, 3, 127, 128, 511],
+        large_max_heads=64,
+        # The float64 reference holds a few (H, Q, K) score tensors per worker: heads are halved until
+        # heads x rows x keys fits this many elements (about 0.6 GB each in float64).
+        large_scores=80_000_000,
     ),
     "cpu": dict(
         dtypes=["float32"],
@@ -48,6 +62,7 @@ PROFILES = {
         tokens=[8, 20, 40, 64],
         windows=[0, 1, 3, 7],
         max_heads=8,
+        large=0.0,
     ),
 }
 
@@ -63,6 +78,10 @@ def _draw_family(seed: int, family: int, profile: str) -> dict:
     p = PROFILES[profile]
     r = _rng("family", seed, family, profile)
     kind = r.choices(["dense", "padded", "packed"], weights=[3, 3, 4])[0]
+    large = r.random() < p["large"]
+    if large:
+        p = {**p, "seq": p["large_seq"], "batch": p["large_batch"], "docs": p["large_docs"], "doc_bound": p["large_doc_bound"],
+             "tokens": p["large_tokens"], "windows": p["large_windows"], "max_heads": p["large_max_heads"], "kv_heads": [1, 2, 4, 8]}
     layouts = DENSE_LAYOUTS if kind != "packed" else PACKED_LAYOUTS
     layout = r.choices(layouts, weights=[3, 3, 2, 2])[0]
     ratio = r.choice([1, 2, 4, 8, "mqa"])
@@ -75,7 +94,7 @@ def _draw_family(seed: int, family: int, profile: str) -> dict:
         h_q = h_kv * ratio
     d = r.choice(p["head_dims"])
     d_v = d if r.random() < 0.8 else r.choice(p["head_dims"])
-    fam = dict(profile=profile, kind=kind, layout=layout, dtype=r.choice(p["dtypes"]), h_q=h_q, h_kv=h_kv, d=d, d_v=d_v)
+    fam = dict(profile=profile, kind=kind, layout=layout, dtype=r.choice(p["dtypes"]), h_q=h_q, h_kv=h_kv, d=d, d_v=d_v, large=large)
     if layout == "qkv_interleaved":
         fam["d_v"] = d  # one fused projection: one head dim
     # Mask: none / causal / window (FlashAttention's (left, right)), bottom-right or not.
@@ -93,7 +112,7 @@ def _draw_family(seed: int, family: int, profile: str) -> dict:
     fam.update(mask=mask, causal=causal, window_size=[left, right], bottom_right=r.random() < 0.5)
     scale_kind = r.choices(["default", "value", "zero", "negative"], weights=[50, 35, 5, 10])[0]
     fam["scale"] = {"default": None, "value": r.choice([0.05, 0.125, 0.3, 1.0]), "zero": 0.0, "negative": r.choice([-0.125, -0.5])}[scale_kind]
-    fam["sinks"] = r.choice(["float32", "input"]) if r.random() < 0.3 else None
+    fam["sinks"] = r.choice(["float32", "input"]) if r.random() < 0.4 else None
     fam["grads"] = r.random() < 0.85
     fam["return_lse"] = r.random() < 0.3
     if kind in ("dense", "padded"):
@@ -112,6 +131,11 @@ def _draw_family(seed: int, family: int, profile: str) -> dict:
         fam["t_q"] = r.choice(p["tokens"])
         fam["t_kv"] = fam["t_q"] if (fam["same_cu"] or layout == "qkv_interleaved") else r.choice(p["tokens"])
         fam["cu_dtype"] = r.choice(["int32", "int64"])
+    if large:
+        rows, keys = (fam["b"] * fam["s_q"], fam["s_kv"]) if kind != "packed" else (fam["t_q"], fam["t_kv"])
+        while fam["h_q"] > 1 and fam["h_q"] * rows * keys > p["large_scores"]:
+            fam["h_kv"] = max(1, fam["h_kv"] // 2)  # powers of two: halving both keeps the group size, MQA keeps 1
+            fam["h_q"] //= 2
     return fam
 
 

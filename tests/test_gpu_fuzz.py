@@ -9,7 +9,7 @@ that see no key (or keys no row sees) must be exactly zero. Cases served by the 
 Each worker (``tests/fuzz_worker.py``) logs every case before and after running it, so a GPU fault is a failing
 case naming its config (the parent restarts a worker after the case that killed it), not a dead suite.
 
-Knobs: ``CUDNN_ATTENTION_FUZZ_CASES`` (2000), ``CUDNN_ATTENTION_FUZZ_WORKERS`` (8), ``CUDNN_ATTENTION_FUZZ_SEED``
+Knobs: ``CUDNN_ATTENTION_FUZZ_CASES`` (4000), ``CUDNN_ATTENTION_FUZZ_WORKERS`` (12), ``CUDNN_ATTENTION_FUZZ_SEED``
 (20250611), ``CUDNN_ATTENTION_FUZZ_TIMEOUT`` (seconds, 540), ``CUDNN_ATTENTION_FUZZ_REPORT`` (write the table there).
 
     python -m pytest -q -s tests/test_gpu_fuzz.py
@@ -132,8 +132,8 @@ def run_fuzz(total: int, workers: int, seed: int, workdir: Path, *, device="cuda
 
 @pytest.mark.gpu
 def test_gpu_fuzz(tmp_path):
-    total = _env_int("CUDNN_ATTENTION_FUZZ_CASES", 2000)
-    workers = _env_int("CUDNN_ATTENTION_FUZZ_WORKERS", 8)
+    total = _env_int("CUDNN_ATTENTION_FUZZ_CASES", 4000)
+    workers = _env_int("CUDNN_ATTENTION_FUZZ_WORKERS", 12)
     seed = _env_int("CUDNN_ATTENTION_FUZZ_SEED", DEFAULT_SEED)
     timeout = float(_env_int("CUDNN_ATTENTION_FUZZ_TIMEOUT", 540))
     threads = max(1, min(2, (os.cpu_count() or 2) // max(workers, 1)))
