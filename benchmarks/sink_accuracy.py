@@ -88,6 +88,7 @@ def run_cudnn(layout, window, q, k, v, sinks, grad, sink_forward):
 
 
 def run_fa4(fa4, layout, window, q, k, v, sinks, grad):
+    window = tuple(None if side < 0 else side for side in window)  # FA4 spells an unbounded side None, not -1
     if layout == "packed":
         cu = _cu()
         out, _ = fa4.flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(DOCS), max_seqlen_k=max(DOCS),
