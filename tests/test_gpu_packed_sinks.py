@@ -82,3 +82,17 @@ def test_packed_sinks_match_the_float64_reference(name, sink_forward, monkeypatc
         failed = [f"{c['name']}: {c['why']}" for c in result["checks"] if not c["ok"]]
         assert not failed, f"{name}, {sink_forward}, seed {seed}: {failed}"
     cudnn_graphs.clear_cache()
+
+
+def test_dense_sink_engine_dsink_where_an_independent_fuzz_found_it_over_the_bound():
+    # dense bf16 B 4, S 1500, H 1, D 128, causal, window (512, 0): dSink 0.0288 against a bound of 0.0264 with the
+    # old sink-gradient kernel (the same row-vector broadcast as the fold's).
+    for seed in range(3):
+        torch.manual_seed(seed)
+        q, k, v = (torch.randn(4, 1, 1500, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+        sinks = (2 * torch.randn(1, device="cuda")).requires_grad_()
+        cudnn_attention.reset_stats()
+        result = evaluate_call("dense", (q, k, v), dict(causal=True, window_size=(512, 0), sinks=sinks), grads=True)
+        assert cudnn_attention.stats()["cudnn_backward"] == 1
+        failed = [f"{c['name']}: {c['why']}" for c in result["checks"] if not c["ok"]]
+        assert not failed, f"seed {seed}: {failed}"
