@@ -18,7 +18,7 @@ from .cudnn_graphs import memoize, memoized
 from .cudnn_ops import cudnn_forward, resolve_cudnn
 from .layouts import token_major
 from .masking import effective_lengths, is_int_window, make_mask_spec
-from .policy import fallback_output, note_fallback
+from .policy import fallback_outputs, note_fallback
 from .reference import dense_reference, varlen_reference
 
 __all__ = ["attention", "serve", "varlen_attention"]
@@ -242,5 +242,5 @@ def serve(call: AttentionCall, q, k, v, *, sinks, lengths: Lengths, plan=None, s
     else:
         out, lse = dense_reference(q, k, v, scale=call.scale, mask=call.mask, sinks_H=sinks, seqlens_q_B=lengths.seqlens_q, seqlens_kv_B=lengths.seqlens_kv)
     if reason is not None:
-        out = fallback_output(out, reason, needs_grad=call.needs_grad)
+        out, lse = fallback_outputs(out, lse, reason, needs_grad=call.needs_grad)
     return out, lse
