@@ -99,7 +99,10 @@ def attention(
             ``[0, S]``. Output rows past a length, and every row of a sequence with no key, are
             zero and get zero gradient; keys past a length are never attended.
         return_lse: also return the log-sum-exp (B, H_q, S_q) in float32, sink included, ``-inf``
-            for padded or fully masked rows. Not differentiable.
+            for padded or fully masked rows. Differentiable, through q, k and the sinks (a loss may
+            use it, e.g. ``out * sigmoid(lse - sink)``); its ``-inf`` rows pass no gradient on. On
+            cuDNN a loss that uses it costs one more launch of the backward kernel; one that does
+            not, nothing.
         validate: also check lengths against the shapes on the host. This synchronizes with the
             device, so it is off by default.
 
@@ -185,7 +188,8 @@ def varlen_attention(
     ``T = 0`` give an empty or zero result.
 
     Returns:
-        ``out`` (T_q, H_q, D_v), or ``(out, lse)`` with ``lse`` (T_q, H_q) float32.
+        ``out`` (T_q, H_q, D_v), or ``(out, lse)`` with ``lse`` (T_q, H_q) float32, differentiable as
+        in :func:`attention` (``-inf`` on tokens in no document or in a document without keys).
     """
     signature = None
     if not validate:
