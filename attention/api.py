@@ -18,7 +18,7 @@ from .cudnn_graphs import memoize, memoized
 from .cudnn_ops import cudnn_forward, resolve_cudnn
 from .layouts import token_major
 from .masking import effective_lengths, is_int_window, make_mask_spec
-from .policy import fallback_output, note_fallback
+from .policy import fallback_outputs, note_fallback
 from .reference import dense_reference, varlen_reference
 
 __all__ = ["attention", "serve", "varlen_attention"]
@@ -99,7 +99,10 @@ def attention(
             ``[0, S]``. Output rows past a length, and every row of a sequence with no key, are
             zero and get zero gradient; keys past a length are never attended.
         return_lse: also return the log-sum-exp (B, H_q, S_q) in float32, sink included, ``-inf``
-            for padded or fully masked rows. Not differentiable.
+            for padded or fully masked rows. Differentiable, through q, k and the sinks (a loss may
+            use it, e.g. ``out * sigmoid(lse - sink)``); its ``-inf`` rows pass no gradient on. On
+            cuDNN a loss that uses it costs one more launch of the backward kernel; one that does
+            not, nothing.
         validate: also check lengths against the shapes on the host. This synchronizes with the
             device, so it is off by default.
 
@@ -185,7 +188,8 @@ def varlen_attention(
     ``T = 0`` give an empty or zero result.
 
     Returns:
-        ``out`` (T_q, H_q, D_v), or ``(out, lse)`` with ``lse`` (T_q, H_q) float32.
+        ``out`` (T_q, H_q, D_v), or ``(out, lse)`` with ``lse`` (T_q, H_q) float32, differentiable as
+        in :func:`attention` (``-inf`` on tokens in no document or in a document without keys).
     """
     signature = None
     if not validate:
@@ -242,5 +246,5 @@ def serve(call: AttentionCall, q, k, v, *, sinks, lengths: Lengths, plan=None, s
     else:
         out, lse = dense_reference(q, k, v, scale=call.scale, mask=call.mask, sinks_H=sinks, seqlens_q_B=lengths.seqlens_q, seqlens_kv_B=lengths.seqlens_kv)
     if reason is not None:
-        out = fallback_output(out, reason, needs_grad=call.needs_grad)
+        out, lse = fallback_outputs(out, lse, reason, needs_grad=call.needs_grad)
     return out, lse

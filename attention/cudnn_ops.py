@@ -10,6 +10,13 @@ with the sink-less kernel plus :func:`~cudnn_attention.fused_sinks.fold_sinks` (
 so the LSE includes the sink. The ordinary cuDNN backward fed that LSE recomputes
 the right probabilities for dQ/dK/dV, and ``dSink_h = -sum_rows exp(sink_h - lse_row) * rowsum(dO * O)_row``.
 
+The returned LSE is differentiable (FlashAttention 4 does the same; torchtitan trains gpt-oss sinks as
+``out * sigmoid(lse - sink)`` over a sink-less kernel). cuDNN's backward graph takes no dLSE, so its share
+comes from one more launch of the same graph (see :func:`_lse_gradient_operands`), only when a loss uses
+the LSE: an unused output reaches the backward as None (``set_materialize_grads(False)``). Under
+``torch.compile`` an LSE returned out of the compiled region and left unused reaches it as zeros (AOT
+autograd materializes its outputs' gradients): that launch then runs and adds zero.
+
 A plain eager call skips the dispatcher (:class:`_EagerAttention`); ``torch.compile``, dispatch
 modes and tensor subclasses see the ops.
 """
@@ -290,28 +297,117 @@ def _run_forward(plan: Plan, q, k, v, sinks, lengths: Lengths, need_lse: bool):
     return out, lse
 
 
-def _run_backward(graph, grad_out, q, k, v, out, lse, sinks, lengths: Lengths):
+def _run_backward(graph, grad_out, q, k, v, out, lse, sinks, lengths: Lengths, grad_lse=None):
     """``(dq, dk, dv, dsinks)``; ``dsinks`` is None without sinks. q/k/v/out are 16-byte aligned (the
-    op's backward aligns what it was handed; the eager path saved the aligned ones its forward ran on)."""
+    op's backward aligns what it was handed; the eager path saved the aligned ones its forward ran on).
+
+    ``grad_out`` or ``grad_lse`` may be None (the loss did not use that output), not both. The output's
+    gradient is one launch of ``graph``; the LSE's is one more launch of the same graph on stand-in
+    operands (:func:`_lse_gradient_operands`), whose dQ and dK are exactly the LSE's share."""
     invalid_B1S1 = None if lengths.seqlens_q is None else _padding_rows(lengths.seqlens_q, q.shape[2])
-    if invalid_B1S1 is not None:
-        grad_out = grad_out.masked_fill(invalid_B1S1, 0)  # padded rows' outputs are constant zero: no gradient flows from them
-    if grad_out.stride() != out.stride() or grad_out.dtype != out.dtype or grad_out.data_ptr() % 16:
-        # cuDNN reads dO with O's descriptor.
-        grad_out = torch.empty_strided(out.shape, out.stride(), dtype=out.dtype, device=out.device).copy_(grad_out)
     packed = lengths.cu_seqlens_q is not None
-    dq, dk, dv = allocate_backward_outputs(
-        q, k, v, packed=packed, padded=invalid_B1S1 is not None, grad_strides=graph.grad_strides,
-        zero_tails=not (packed and _writes_every_row(q, k, lengths)),
-    )
-    operands = [q, k, v, out, grad_out, lse, dq, dk, dv]
-    operands += _length_operands(graph, lengths)
-    execute(graph, operands, q.device.index)
+    zero_tails = not (packed and _writes_every_row(q, k, lengths))
+    length_operands = _length_operands(graph, lengths)
+    dq = dk = dv = dsinks = None
+    if grad_out is not None:
+        if invalid_B1S1 is not None:
+            grad_out = grad_out.masked_fill(invalid_B1S1, 0)  # padded rows' outputs are constant zero: no gradient flows from them
+        if grad_out.stride() != out.stride() or grad_out.dtype != out.dtype or grad_out.data_ptr() % 16:
+            # cuDNN reads dO with O's descriptor.
+            grad_out = torch.empty_strided(out.shape, out.stride(), dtype=out.dtype, device=out.device).copy_(grad_out)
+        dq, dk, dv = allocate_backward_outputs(
+            q, k, v, packed=packed, padded=invalid_B1S1 is not None, grad_strides=graph.grad_strides, zero_tails=zero_tails
+        )
+        execute(graph, [q, k, v, out, grad_out, lse, dq, dk, dv, *length_operands], q.device.index)
+        if sinks is not None:
+            dsinks = sink_gradient(grad_out, out, lse, sinks)
+    if grad_lse is not None:
+        dlse = _masked_lse_gradient(grad_lse, lse)
+        v_zero, o_unit, do_lse = _lse_gradient_operands(dlse, out, v)
+        lse_dq, lse_dk, lse_dv = allocate_backward_outputs(
+            q, k, v, packed=packed, padded=invalid_B1S1 is not None, grad_strides=graph.grad_strides, zero_tails=zero_tails
+        )
+        execute(graph, [q, k, v_zero, o_unit, do_lse, lse, lse_dq, lse_dk, lse_dv, *length_operands], q.device.index)
+        if dq is None:
+            # This launch's dV' = P^T dO' belongs to no gradient (the LSE does not depend on V): its buffer becomes dV's zeros.
+            dq, dk, dv = lse_dq, lse_dk, lse_dv.zero_()
+        else:
+            dq.add_(lse_dq)
+            dk.add_(lse_dk)
+        if sinks is not None:
+            lse_dsinks = _lse_sink_gradient(dlse, lse, sinks)
+            dsinks = lse_dsinks if dsinks is None else dsinks + lse_dsinks
     if invalid_B1S1 is not None:
         dq.masked_fill_(invalid_B1S1, 0)
-    dsinks = None if sinks is None else sink_gradient(grad_out, out, lse, sinks)
     count_cudnn("backward")
     return dq, dk, dv, dsinks
+
+
+def _masked_lse_gradient(grad_lse: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """dLSE in float32, zero on rows with lse = -inf (padding, capacity tails, documents or rows without keys):
+    they have no softmax to differentiate, so whatever gradient reached them (NaN included) stops here, before it
+    becomes an operand. ``grad_lse`` may have any strides (the gradient of ``lse.sum()`` is an expanded scalar)."""
+    return grad_lse.float().masked_fill(lse == float("-inf"), 0.0)
+
+
+# The stand-in O' is 2**e per row with e in this range: a normal float16 (and bfloat16) value, exact in either.
+_UNIT_EXPONENTS = (-14, 15)
+
+
+def _lse_gradient_operands(dlse: torch.Tensor, out: torch.Tensor, v: torch.Tensor):
+    """``(V', O', dO')``: operands for a launch of the backward graph whose dQ and dK are the LSE's share.
+
+    With P the (sink-inclusive) probabilities the graph recomputes from the LSE, a loss's gradient of the
+    scores is ``dS = P * (dP - D + dLSE)``, ``dP = dO V^T`` and ``D = rowsum(dO * O)``, which cuDNN computes
+    itself from the O and dO it is handed (O serves nothing else). ``V' = 0`` makes ``dP' = 0`` and
+    ``rowsum(dO' * O') = -dLSE`` makes ``D' = -dLSE``, so that launch's ``dS' = P * dLSE`` and its dQ' and dK'
+    (``scale * dS' K``, ``scale * dS'^T Q``) are the LSE's share; its dV' (``P^T dO'``) is no gradient.
+
+    dLSE (float32) is carried in the input dtype without rounding it to 8 or 11 bits: O' holds ``2**e`` and dO'
+    ``-dLSE / 2**e`` split as ``hi + lo`` in its first two head-dim columns (``hi`` the rounded value, ``lo``
+    the rounded rest), so cuDNN's float32 ``D' = 2**e * (hi + lo)`` is -dLSE to about 17 significant bits in
+    bfloat16 and 23 in float16. The per-row power of two ``2**e`` (of dLSE's own magnitude, within float16's
+    normal range) keeps ``hi`` and ``lo`` inside float16's narrow range, as a mean over many rows needs (dLSE
+    of 1e-6 and less). float16 still bounds it: 23 bits for |dLSE| from 1e-5 to 2e9, then fewer as ``lo``
+    and below 4e-9 ``hi`` leave its normal range (as a float16 output gradient would; float16 training
+    scales its loss), inf beyond 2e9. A value dimension of 1 has no second column: dLSE is rounded once there.
+    ``test_lse_grad_emulated.py`` measures all of this.
+
+    Each stand-in has the strides of the operand it replaces (the graph holds the descriptors, a launch passes
+    addresses): V' v's, O' and dO' out's (dO is read with O's descriptor). No device value is read on the host.
+    """
+    dtype = out.dtype
+    v_zero = _zeros_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device)
+    o_unit = _zeros_strided(out.shape, out.stride(), dtype=dtype, device=out.device)
+    do_lse = _zeros_strided(out.shape, out.stride(), dtype=dtype, device=out.device)
+    target = -dlse
+    _, exponent = torch.frexp(target)  # target = mantissa * 2**exponent, 0.5 <= |mantissa| < 1 (exponent 0 for 0)
+    unit = torch.exp2(exponent.clamp(*_UNIT_EXPONENTS).to(torch.float32))
+    scaled = target / unit  # exact: a power of two
+    hi = scaled.to(dtype)
+    o_unit[..., 0] = unit.to(dtype)
+    do_lse[..., 0] = hi
+    if out.shape[-1] >= 2:
+        o_unit[..., 1] = unit.to(dtype)
+        do_lse[..., 1] = (scaled - hi.float()).to(dtype)
+    return v_zero, o_unit, do_lse
+
+
+def _zeros_strided(shape, stride, *, dtype, device) -> torch.Tensor:
+    """Zeros with exactly these strides, for any strides a caller's operand may have: gaps (q, k and v sliced out
+    of one projection) and overlaps (an expanded tensor, stride 0) alike, which ``empty_strided(...).zero_()``
+    does not allow for the latter."""
+    span = 1 + sum((n - 1) * step for n, step in zip(shape, stride)) if all(n > 0 for n in shape) else 0
+    return torch.zeros(span, dtype=dtype, device=device).as_strided(shape, stride)
+
+
+def _lse_sink_gradient(dlse: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """The LSE's share of dSink (H,) float32: the sink is one more logit in the denominator, so ``d lse_row /
+    d sink_h = exp(sink_h - lse_row)``. Rows with lse = -inf contribute nothing (their dLSE is zero already, and
+    ``exp`` would be inf there). Dense LSE (B, H, S), packed (T, H), as in :func:`sink_gradient`."""
+    sinks_view = sinks.view(1, -1, 1) if lse.dim() == 3 else sinks.view(1, -1)
+    terms = torch.where(lse == float("-inf"), 0.0, dlse * torch.exp(sinks_view - lse))
+    return terms.sum((0, 2) if lse.dim() == 3 else (0,))
 
 
 def _op_call(sinks, seqlens_q, cu_seqlens_q, max_seqlen_q, max_seqlen_kv, scale, window_left, window_right, bottom_right,
@@ -340,15 +436,15 @@ def _empty_float32(q):
     return torch.empty((0,), dtype=torch.float32, device=q.device)
 
 
-def _backward_cuda(grad_out, q, k, v, out, lse, sinks, seqlens_q, seqlens_kv, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv,
-                   scale, window_left, window_right, bottom_right, deterministic):  # fmt: skip
+def _backward_cuda(grad_out, q, k, v, out, lse, grad_lse, sinks, seqlens_q, seqlens_kv, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q,
+                   max_seqlen_kv, scale, window_left, window_right, bottom_right, deterministic):  # fmt: skip
     call = _op_call(sinks, seqlens_q, cu_seqlens_q, max_seqlen_q, max_seqlen_kv, scale, window_left, window_right, bottom_right,
                     True, True)  # fmt: skip
     # The op saved its inputs as given: the forward ran on aligned copies of any that were not.
     q, k, v, out = _aligned(q, "q"), _aligned(k, "k"), _aligned(v, "v"), _aligned(out, "out")
     graph = _graph_for("backward", q, k, v, call, deterministic)
     lengths = Lengths(seqlens_q, seqlens_kv, cu_seqlens_q, cu_seqlens_kv)
-    dq, dk, dv, dsinks = _run_backward(graph, grad_out, q, k, v, out, lse, sinks, lengths)
+    dq, dk, dv, dsinks = _run_backward(graph, grad_out, q, k, v, out, lse, sinks, lengths, grad_lse)
     return dq, dk, dv, dsinks if dsinks is not None else _empty_float32(q)
 
 
@@ -363,7 +459,7 @@ _lib.define(
     "bool bottom_right, bool need_lse) -> (Tensor, Tensor)"
 )
 _lib.define(
-    "backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? sinks, Tensor? seqlens_q, "
+    "backward(Tensor? grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? grad_lse, Tensor? sinks, Tensor? seqlens_q, "
     "Tensor? seqlens_kv, Tensor? cu_seqlens_q, Tensor? cu_seqlens_kv, int max_seqlen_q, int max_seqlen_kv, float scale, "
     "int window_left, int window_right, bool bottom_right, bool deterministic) -> (Tensor, Tensor, Tensor, Tensor)"
 )
@@ -379,8 +475,8 @@ def _forward_fake(q, k, v, sinks, seqlens_q, seqlens_kv, cu_seqlens_q, cu_seqlen
 
 
 @torch.library.register_fake("cudnn_attention::backward", lib=_lib)
-def _backward_fake(grad_out, q, k, v, out, lse, sinks, seqlens_q, seqlens_kv, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv,
-                   scale, window_left, window_right, bottom_right, deterministic):  # fmt: skip
+def _backward_fake(grad_out, q, k, v, out, lse, grad_lse, sinks, seqlens_q, seqlens_kv, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q,
+                   max_seqlen_kv, scale, window_left, window_right, bottom_right, deterministic):  # fmt: skip
     dq, dk, dv = allocate_backward_outputs(q, k, v, packed=cu_seqlens_q is not None, padded=seqlens_q is not None)
     return dq, dk, dv, torch.empty((sinks.shape[0],), dtype=torch.float32, device=q.device) if sinks is not None else _empty_float32(q)
 
@@ -390,17 +486,18 @@ def _setup_context(ctx, inputs, output):
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, sinks, seqlens_q, seqlens_kv, cu_q, cu_kv)
     ctx.options = (max_q, max_kv, scale, left, right, bottom_right)
-    # The returned LSE is an output for inspection; cuDNN's backward consumes it but has no dLSE.
-    ctx.mark_non_differentiable(lse)
+    # The LSE is differentiable; an output the loss does not use arrives as None, so a loss without the LSE
+    # costs nothing more (see _run_backward).
     ctx.set_materialize_grads(False)
 
 
-def _backward_formula(ctx, grad_out, _grad_lse):
-    if grad_out is None:
+def _backward_formula(ctx, grad_out, grad_lse):
+    if grad_out is None and grad_lse is None:
         return (None,) * 15
     q, k, v, out, lse, sinks, seqlens_q, seqlens_kv, cu_q, cu_kv = ctx.saved_tensors
     dq, dk, dv, dsinks = torch.ops.cudnn_attention.backward(
-        grad_out, q, k, v, out, lse, sinks, seqlens_q, seqlens_kv, cu_q, cu_kv, *ctx.options, torch.are_deterministic_algorithms_enabled()
+        grad_out, q, k, v, out, lse, grad_lse, sinks, seqlens_q, seqlens_kv, cu_q, cu_kv, *ctx.options,
+        torch.are_deterministic_algorithms_enabled(),
     )
     return (dq, dk, dv, dsinks if sinks is not None else None) + (None,) * 11
 
@@ -421,19 +518,18 @@ class _EagerAttention(torch.autograd.Function):
         out, lse = _run_forward(plan, q, k, v, sinks, lengths, True)
         ctx.save_for_backward(q, k, v, out, lse, sinks, *lengths)
         ctx.plan, ctx.call = plan, call
-        ctx.mark_non_differentiable(lse)
-        ctx.set_materialize_grads(False)
+        ctx.set_materialize_grads(False)  # the LSE is differentiable; an unused output's gradient arrives as None
         return out, lse
 
     @staticmethod
-    def backward(ctx, grad_out, _grad_lse):
-        if grad_out is None:
+    def backward(ctx, grad_out, grad_lse):
+        if grad_out is None and grad_lse is None:
             return None, None, None, None, None, None, None
         q, k, v, out, lse, sinks, *lengths = ctx.saved_tensors
         graph, deterministic = ctx.plan.backward, torch.are_deterministic_algorithms_enabled()
         if ctx.plan.deterministic != deterministic:  # switched between forward and backward (the op path resolves per backward too)
             graph = _graph_for("backward", q, k, v, ctx.call, deterministic)
-        dq, dk, dv, dsinks = _run_backward(graph, grad_out, q, k, v, out, lse, sinks, Lengths(*lengths))
+        dq, dk, dv, dsinks = _run_backward(graph, grad_out, q, k, v, out, lse, sinks, Lengths(*lengths), grad_lse)
         return dq, dk, dv, dsinks, None, None, None
 
 

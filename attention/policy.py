@@ -24,6 +24,7 @@ __all__ = [
     "Counters",
     "env_flag",
     "fallback_output",
+    "fallback_outputs",
     "flat_stats",
     "is_strict",
     "note_fallback",
@@ -214,10 +215,37 @@ class _CountFallbackBackward(torch.autograd.Function):
         return grad_out, None
 
 
+class _CountFallbackBackwardWithLse(torch.autograd.Function):
+    """The same identity over the output and the LSE: one node, so a backward that reaches either or both is
+    counted once (a loss may use the LSE alone)."""
+
+    @staticmethod
+    def forward(ctx, out, lse, reason):
+        ctx.reason = reason
+        ctx.set_materialize_grads(False)  # an output the loss does not use costs nothing
+        return out.view_as(out), lse.view_as(lse)
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        note_fallback("backward", ctx.reason)
+        return grad_out, grad_lse, None
+
+
 def fallback_output(out: torch.Tensor, reason: str, *, needs_grad: bool) -> torch.Tensor:
     """Arrange for the backward of a fallback output to be counted (the forward was recorded,
     and refused in strict mode, by :func:`note_fallback` before it ran)."""
     return _CountFallbackBackward.apply(out, reason) if needs_grad else out
+
+
+def fallback_outputs(out: torch.Tensor, lse: torch.Tensor | None, reason: str, *, needs_grad: bool) -> tuple:
+    """:func:`fallback_output` for ``(out, lse)``: the backward is counted whether it comes through the output,
+    the LSE (differentiable, see :func:`cudnn_attention.attention`) or both. An LSE that needs no gradient (only V
+    requires one, and the LSE does not depend on V) is left as it is."""
+    if not needs_grad:
+        return out, lse
+    if lse is None or not lse.requires_grad:
+        return _CountFallbackBackward.apply(out, reason), lse
+    return _CountFallbackBackwardWithLse.apply(out, lse, reason)
 
 
 def note_fallback(direction: str, reason: str, *, caller_depth: int = 1) -> None:

@@ -1,4 +1,4 @@
-"""The exact PyTorch path: fp32 math with the same semantics as the cuDNN path, differentiable.
+"""The exact PyTorch path: fp32 math with the same semantics as the cuDNN path, differentiable (the LSE too).
 
 It serves whatever cuDNN cannot (CPU tensors, float32, a configuration the installed cuDNN rejects)
 and is the reference the GPU tests compare against. Fully masked rows give a zero output and
@@ -35,8 +35,8 @@ def dense_reference(
     """Attention over (B, H, S, D) tensors. Returns ``(out in q's dtype, lse (B, H, Q) fp32)``.
 
     ``compute_dtype`` is float32 for the fallback; tests pass the input dtype to measure how far
-    PyTorch's own low-precision math lands from fp32. ``lse`` is detached: it is an output for
-    inspection, not a differentiable one.
+    PyTorch's own low-precision math lands from fp32. ``lse`` is differentiable (through q, k and
+    the sinks); its ``-inf`` rows pass no gradient on, whatever gradient reaches them.
     """
     B, H, Q, D = q_BHQD.shape
     H_kv, K, D_v = k_BHKD.shape[1], k_BHKD.shape[2], v_BHKD.shape[3]
@@ -68,8 +68,15 @@ def dense_reference(
         probs_BNGQK = probs_BNGQK[..., :K]
     out_BNGQD = torch.einsum("bngqk,bnkd->bngqd", probs_BNGQK, v_BHKD.to(compute_dtype))
 
-    lse_BNGQ = (torch.log(denom_BNGQ1.float()) + row_max.float()).squeeze(-1).detach()
-    lse_BNGQ = lse_BNGQ.masked_fill(~row_valid_B11Q, float("-inf"))
+    # d lse / d score is the probability (row_max is a constant of both terms, detached above). A row with an empty
+    # denominator (no visible key, no sink) has lse = -inf: the log reads 1 there, because log'(0) = inf would turn
+    # the zero the outer where passes back into NaN (the double-where pattern), which only the scores' masked_fill
+    # would stop further down; a NaN denominator (NaN input) stays NaN.
+    denom_BNGQ1 = denom_BNGQ1.float()
+    empty_BNGQ1 = denom_BNGQ1 == 0
+    log_denom_BNGQ1 = torch.log(torch.where(empty_BNGQ1, torch.ones_like(denom_BNGQ1), denom_BNGQ1))
+    lse_BNGQ = torch.where(empty_BNGQ1, float("-inf"), log_denom_BNGQ1 + row_max.float()).squeeze(-1)
+    lse_BNGQ = lse_BNGQ.masked_fill(~row_valid_B11Q, float("-inf"))  # masked_fill passes no gradient to the filled rows
     out_BHQD = out_BNGQD.reshape(B, H, Q, D_v).to(q_BHQD.dtype)
     return out_BHQD, lse_BNGQ.reshape(B, H, Q)
 

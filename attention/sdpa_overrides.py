@@ -145,8 +145,10 @@ def sdpa_backward(grad_out, query, key, value, out, logsumexp, philox_seed, phil
             dropout_p, is_causal, scale=scale,
         )  # fmt: skip
     lse_BHS = logsumexp.squeeze(-1) if logsumexp.dim() == 4 else logsumexp
+    # torch's autograd formula for this op declares its LSE non-differentiable (F.scaled_dot_product_attention
+    # returns none), so there is no grad_lse.
     dq, dk, dv, _ = torch.ops.cudnn_attention.backward(
-        grad_out, q, k, v, out, lse_BHS, None, None, None, None, None, S_q, S_kv, scale_f, mask.left, mask.right, False,
+        grad_out, q, k, v, out, lse_BHS, None, None, None, None, None, None, S_q, S_kv, scale_f, mask.left, mask.right, False,
         torch.are_deterministic_algorithms_enabled(),
     )  # fmt: skip
     count_provider("sdpa_backward")
@@ -333,9 +335,11 @@ def _serve_forward_out(call: VarlenCall, q, k, v, scale, mask):
 
 def _serve_backward(call: VarlenCall, q, k, v, scale, mask):
     """``_varlen_attn_backward``: ``(dq, dk, dv)``."""
+    # torch's own autograd formula for _varlen_attn (above these kernels) ignores its LSE's gradient and calls
+    # this op without one, so there is none to pass on: grad_lse None.
     dq, dk, dv, _ = torch.ops.cudnn_attention.backward(
-        call.grad_out, q, k, v, call.out, call.lse.t().contiguous(), None, None, None, call.cu_seq_q, call.cu_seq_k, call.max_q, call.max_k,
-        scale, mask.left, mask.right, mask.bottom_right, torch.are_deterministic_algorithms_enabled(),
+        call.grad_out, q, k, v, call.out, call.lse.t().contiguous(), None, None, None, None, call.cu_seq_q, call.cu_seq_k,
+        call.max_q, call.max_k, scale, mask.left, mask.right, mask.bottom_right, torch.are_deterministic_algorithms_enabled(),
     )  # fmt: skip
     count_provider("varlen_backward")
     return _unfold_dq(dq, call.scale, call.query.shape[-1]), dk, dv

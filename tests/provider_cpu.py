@@ -75,11 +75,13 @@ def standin_forward(q, k, v, sinks, seqlens_q, seqlens_kv, cu_q, cu_kv, max_q, m
     return out, lse if need_lse else torch.empty(0)
 
 
-def standin_backward(grad_out, q, k, v, out, lse, sinks, seqlens_q, seqlens_kv, cu_q, cu_kv, max_q, max_kv, scale, left, right, bottom_right,
-                     deterministic):  # fmt: skip
+def standin_backward(grad_out, q, k, v, out, lse, grad_lse, sinks, seqlens_q, seqlens_kv, cu_q, cu_kv, max_q, max_kv, scale, left, right,
+                     bottom_right, deterministic):  # fmt: skip
     # The real backward reads lse with our forward's layout: (B, H, S) dense, (T, H) packed, contiguous.
     expected = (q.shape[0], q.shape[1]) if cu_q is not None else (q.shape[0], q.shape[1], q.shape[2])
     assert tuple(lse.shape) == expected and lse.is_contiguous() and lse.dtype == torch.float32, (lse.shape, lse.stride())
+    # torch's autograd formulas above the provider's kernels drop their LSE's gradient: none ever reaches this op.
+    assert grad_lse is None and grad_out is not None
 
     def grads():
         inputs = [t.detach().requires_grad_() for t in (q, k, v)]

@@ -117,11 +117,12 @@ def _softmax_attention(q_NHGQD, k_NHKD, v_NHKD, visible_NQK, row_valid_NQ, scale
     denom = exp.sum(dim=-1, keepdim=True)
     probs = exp / torch.where(denom == 0, torch.ones_like(denom), denom)  # NaN stays NaN (NaN sinks)
     out = torch.einsum("nhgqk,nhkd->nhgqd", probs[..., :K], v_NHKD)
-    # Differentiable (d lse / d score = P), so the fuzz can price the error a kernel's own rounded O costs dQ and dK
-    # (see implied_qk_errors); a zero denominator (no key, no sink) gives -inf with no NaN gradient.
-    lse_dtype = torch.float64 if compute_dtype == torch.float64 else torch.float32
-    lse = torch.log(torch.where(denom == 0, torch.ones_like(denom), denom).to(lse_dtype)) + row_max.detach()
-    lse = lse.masked_fill(denom == 0, float("-inf")).squeeze(-1)
+    # Differentiable (d lse / d score = the probability; row_max is a constant of both terms): losses over the LSE, and
+    # implied_qk_errors, use it. A row with nothing in its denominator has lse = -inf and no gradient: the log reads 1
+    # there, since log'(0) = inf would turn the zero that the outer where hands back into NaN (the double-where pattern).
+    denom = denom.to(torch.float64 if compute_dtype == torch.float64 else torch.float32)
+    empty = denom == 0
+    lse = torch.where(empty, float("-inf"), torch.log(torch.where(empty, torch.ones_like(denom), denom)) + row_max.detach()).squeeze(-1)
     lse = lse.masked_fill(~row_valid_NQ.view(N, 1, 1, Q), float("-inf"))
     return out, lse
 
@@ -238,16 +239,20 @@ def _exact_zero(name: str, tensor, rows_mask, row_dim: int) -> dict | None:
     return None
 
 
-def flash_style_dsinks(out_ref, lse_ref, grad_out, sinks, low_dtype) -> torch.Tensor:
+def flash_style_dsinks(out_ref, lse_ref, grad_out, sinks, low_dtype, grad_lse=None) -> torch.Tensor:
     """dSink as a fused kernel computes it: ``-sum_rows exp(sink - lse) * rowsum(dO * O)`` with the exact
     LSE but O rounded to ``low_dtype`` (what any kernel hands its backward), in float64, then rounded to
     the sinks' dtype. Rounding O alone costs dSink more than the autograd of a low-precision reference
-    in small problems, so this is the fair noise level for dSink (issue 11, item 13)."""
+    in small problems, so this is the fair noise level for dSink (issue 11, item 13). With ``grad_lse``
+    (a loss that uses the LSE) the exact ``sum_rows exp(sink - lse) * dLSE`` joins it: the LSE depends
+    on the sink, and that term involves no rounded O."""
     o_low = out_ref.detach().to(low_dtype).double()
     lse = lse_ref.detach().double()
     sinks_view = sinks.detach().double().view(1, -1, 1) if lse.dim() == 3 else sinks.detach().double().view(1, -1)
     weight = torch.where(torch.isfinite(lse), torch.exp(sinks_view - lse), torch.zeros_like(lse))
     row_dot = (grad_out.double() * o_low).sum(-1)
+    if grad_lse is not None:
+        row_dot = row_dot - grad_lse.double()
     reduce_dims = (0, 2) if lse.dim() == 3 else (0,)
     return (-(weight * row_dot).sum(reduce_dims)).to(sinks.dtype)
 
@@ -286,9 +291,14 @@ def implied_qk_errors(out_got, out_ref, lse_ref, grad_out, leaves64: dict, names
     return {n: (g.abs().max().item() if g is not None and g.numel() else 0.0) for n, g in zip(wanted, grads)}
 
 
-def evaluate_call(api: str, args: tuple, kwargs: dict, *, grads: bool = True, floor_rel: float | None = None, grad_seed: int = 0) -> dict:
+def evaluate_call(api: str, args: tuple, kwargs: dict, *, grads: bool = True, floor_rel: float | None = None, grad_seed: int = 0,
+                  loss: str = "out") -> dict:
     """Call ``cudnn_attention.attention``/``varlen_attention`` with ``args``/``kwargs``, run its backward, and
     compare output, lse (when ``return_lse``) and every gradient against the float64 reference.
+
+    ``loss`` says what the backward starts from: ``"out"`` (a random output gradient), ``"out+lse"`` (random
+    gradients of both the output and the LSE, ``return_lse`` required) or ``"lse"`` (the LSE's alone). The LSE's
+    gradient is random on every row, ``-inf`` ones too: those rows must pass none of it on.
 
     ``args`` are ``(q, k, v)`` (dense) or ``(q, k, v, cu_q, cu_kv, max_q, max_kv)`` (packed); tensors among
     q/k/v/sinks that require grad (leaves or views of leaves) get gradients. The low-precision estimate is
@@ -308,17 +318,24 @@ def evaluate_call(api: str, args: tuple, kwargs: dict, *, grads: bool = True, fl
     if floor_rel is None:
         floor_rel = 1e-3 if low != torch.float32 else 2e-5
 
+    if loss not in ("out", "out+lse", "lse") or (loss != "out" and not return_lse):
+        raise ValueError(f"loss={loss!r}: expected 'out', or 'out+lse'/'lse' with return_lse=True")
     names = [n for n, t in (("dq", q), ("dk", k), ("dv", v), ("dsinks", sinks)) if t is not None and t.requires_grad]
     wants_grads = grads and bool(names)
     result = fn(*args, **kwargs)
     out, lse = result if return_lse else (result, None)
     got = {"out": out, "lse": lse}
-    grad_out = None
+    grad_out = grad_lse = None
     if wants_grads:
         torch.manual_seed(grad_seed)
         grad_out = torch.randn(out.shape, dtype=out.dtype, device=out.device)
+        if loss != "out":
+            grad_lse = torch.randn(lse.shape, dtype=lse.dtype, device=lse.device)
+        if loss == "lse":
+            grad_out = torch.zeros_like(grad_out)  # the formulas below read it; autograd does not get it
         targets = [t for t in (q, k, v, sinks) if t is not None and t.requires_grad]
-        got.update(zip(names, torch.autograd.grad(out, targets, grad_out, allow_unused=True)))
+        outputs, grad_outputs = _loss_terms(loss, out, lse, grad_out, grad_lse)
+        got.update(zip(names, torch.autograd.grad(outputs, targets, grad_outputs, allow_unused=True)))
 
     def run_reference(dtype):
         leaves = {}
@@ -333,7 +350,9 @@ def evaluate_call(api: str, args: tuple, kwargs: dict, *, grads: bool = True, fl
         values = {"out": ref_out, "lse": ref_lse}
         if wants_grads:
             targets = [leaves[n[1:]] for n in names]
-            values.update(zip(names, torch.autograd.grad(ref_out, targets, grad_out.to(dtype), allow_unused=True, retain_graph=True)))
+            lse_weights = None if grad_lse is None else grad_lse.to(ref_lse.dtype)
+            outputs, grad_outputs = _loss_terms(loss, ref_out, ref_lse, grad_out.to(dtype), lse_weights)
+            values.update(zip(names, torch.autograd.grad(outputs, targets, grad_outputs, allow_unused=True, retain_graph=True)))
         return values, masks, leaves
 
     ref, masks, leaves64 = run_reference(torch.float64)
@@ -346,7 +365,9 @@ def evaluate_call(api: str, args: tuple, kwargs: dict, *, grads: bool = True, fl
         want = ref[name] if ref[name] is not None else torch.zeros(got[name].shape if got[name] is not None else (), dtype=torch.float64)
         base = lowp[name] if lowp[name] is not None else torch.zeros_like(want)
         magnitude = grad_out.abs().max().item() if name.startswith("d") and grad_out.numel() else 0.0
-        flash = flash_style_dsinks(ref["out"], ref["lse"], grad_out, sinks, low) if name == "dsinks" else None
+        if name.startswith("d") and grad_lse is not None and grad_lse.numel():
+            magnitude = max(magnitude, grad_lse.abs().max().item())
+        flash = flash_style_dsinks(ref["out"], ref["lse"], grad_out, sinks, low, grad_lse) if name == "dsinks" else None
         implied = implied_dsinks_error(got["out"], ref["out"], ref["lse"], grad_out, sinks) if name == "dsinks" else implied_qk.get(name, 0.0)
         checks.append(compare_tensors(name, got[name], want, base, floor_rel=floor_rel, magnitude=magnitude, flash=flash, implied=implied))
     # Structurally zero rows must be exactly zero: rows that see no key (out, dq), keys no row sees (dk, dv).
@@ -358,7 +379,8 @@ def evaluate_call(api: str, args: tuple, kwargs: dict, *, grads: bool = True, fl
             if check is not None:
                 checks.append(check)
     for n in ("dq", "dk", "dv", "dsinks"):
-        if got.get(n) is not None and bool(torch.isfinite(ref[n]).all()) and not bool(torch.isfinite(got[n]).all()):
+        # A reference gradient of None is zero (a loss over the LSE alone does not reach V).
+        if got.get(n) is not None and (ref[n] is None or bool(torch.isfinite(ref[n]).all())) and not bool(torch.isfinite(got[n]).all()):
             checks.append({"name": f"{n}_finite", "ok": False, "err": float("inf"), "bound": 0.0, "why": "non-finite gradient"})
     return {
         "ok": all(c["ok"] for c in checks),
@@ -366,3 +388,12 @@ def evaluate_call(api: str, args: tuple, kwargs: dict, *, grads: bool = True, fl
         "error_summary": {c["name"]: c["err"] for c in checks},
         "shapes": {n: list(t.shape) for n, t in got.items() if t is not None},
     }
+
+
+def _loss_terms(loss: str, out, lse, grad_out, grad_lse) -> tuple[list, list]:
+    """``(outputs, grad_outputs)`` for ``torch.autograd.grad``: what the loss ``loss`` differentiates."""
+    if loss == "out":
+        return [out], [grad_out]
+    if loss == "lse":
+        return [lse], [grad_lse]
+    return [out, lse], [grad_out, grad_lse]

@@ -36,15 +36,20 @@ def test_packed_fake_shapes_and_backward_fake():
     out, lse = _forward(q, kv, kv, cu=cu, max_len=5)
     assert out.shape == (10, 4, 64) and out.is_contiguous() and lse.shape == (10, 4)
     sinks = torch.empty(4, device="meta")
-    dq, dk, dv, dsinks = torch.ops.cudnn_attention.backward(out, q, kv, kv, out, lse, sinks, None, None, cu, cu, 5, 5, 0.125, -1, 0, False, False)
+    options = (5, 5, 0.125, -1, 0, False, False)
+    dq, dk, dv, dsinks = torch.ops.cudnn_attention.backward(out, q, kv, kv, out, lse, None, sinks, None, None, cu, cu, *options)
     assert dq.shape == q.shape and dk.shape == kv.shape and dv.shape == kv.shape and dsinks.shape == (4,)
+    # A loss that uses the LSE alone: no output gradient, an LSE one; the same outputs.
+    grads = torch.ops.cudnn_attention.backward(None, q, kv, kv, out, lse, lse, sinks, None, None, cu, cu, *options)
+    assert [tuple(g.shape) for g in grads] == [tuple(t.shape) for t in (dq, dk, dv, dsinks)]
 
 
 def test_dense_backward_fake_grads_adopt_input_layouts():
     q = torch.empty(2, 5, 4, 64, device="meta", dtype=torch.bfloat16).transpose(1, 2)
     k = torch.empty(2, 2, 5, 64, device="meta", dtype=torch.bfloat16)
     out, lse = _forward(q, k, k)
-    dq, dk, dv, dsinks = torch.ops.cudnn_attention.backward(out, q, k, k, out, lse, None, None, None, None, None, 5, 5, 0.125, -1, 0, False, False)
+    options = (5, 5, 0.125, -1, 0, False, False)
+    dq, dk, dv, dsinks = torch.ops.cudnn_attention.backward(out, q, k, k, out, lse, lse, None, None, None, None, None, *options)
     assert dq.stride() == q.stride() and dk.stride() == k.stride() and dsinks.numel() == 0
 
 
