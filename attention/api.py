@@ -232,7 +232,10 @@ def serve(call: AttentionCall, q, k, v, *, sinks, lengths: Lengths, plan=None, s
     else:
         empty, reason = False, None
     if not empty and reason is None:
-        return cudnn_forward(plan, call, q, k, v, sinks=None if sinks is None else sinks.to(torch.float32), lengths=lengths)
+        # The kernels read the sinks as H consecutive float32 values (no stride): a strided view is made dense, as
+        # any other dtype is converted (both differentiable, both free when the sinks already are so).
+        sinks = None if sinks is None else sinks.to(torch.float32).contiguous()
+        return cudnn_forward(plan, call, q, k, v, sinks=sinks, lengths=lengths)
     if reason is not None:
         note_fallback("forward", reason, caller_depth=2)  # raises in strict mode, before any work
     if call.packed:

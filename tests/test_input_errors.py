@@ -165,3 +165,24 @@ def test_prefix_sum_checks_are_remembered_per_tensor_version():
     cu_q.add_(0)  # an in-place write is a new version: checked again
     assert not tensor_memo.recall(cu_q, strict_key, cu_kv) and not tensor_memo.recall(cu_q, plain_key, cu_kv)
 
+
+def test_strided_sinks_reach_the_kernel_contiguous(served_on_cpu, monkeypatch):
+    # The kernels read the sinks as H consecutive float32 values (cuDNN's (1, H, 1, 1) descriptor, the fold's sinks_ptr + h):
+    # a strided view, e.g. every other entry of a fused parameter, would be read as the wrong logits without a word.
+    from cudnn_attention import api
+
+    seen = []
+    launch = api.cudnn_forward
+
+    def recording(plan, call, q, k, v, *, sinks, lengths):
+        seen.append((tuple(sinks.shape), sinks.is_contiguous()))
+        return launch(plan, call, q, k, v, sinks=sinks, lengths=lengths)
+
+    monkeypatch.setattr(api, "cudnn_forward", recording)
+    q, k, v = dense()
+    strided = torch.randn(8)[::2]
+    out = cudnn_attention.attention(q, k, v, sinks=strided)
+    q_p, k_p, v_p, cu = packed()
+    cudnn_attention.varlen_attention(q_p, k_p, v_p, cu, cu, 4, 4, sinks=strided)
+    assert seen == [((4,), True), ((4,), True)]
+    torch.testing.assert_close(out, cudnn_attention.attention(q, k, v, sinks=strided.contiguous()), rtol=0, atol=0)
