@@ -462,6 +462,50 @@ def test_bad_packing_metadata_is_refused(name, bad, message):
         model(**batch, use_cache=False)
 
 
+@pytest.fixture
+def no_attention_runs(monkeypatch):
+    """Fails the test if any attention is computed (cuDNN, the core's exact path or the model's eager one): the
+    input errors below must come first."""
+    from cudnn_attention import api
+    from cudnn_attention.integrations.hf import attention_function
+
+    def reached(*args, **kwargs):
+        raise AssertionError("attention was computed before the input error")
+
+    monkeypatch.setattr(api, "serve", reached)
+    monkeypatch.setattr(attention_function, "eager_equivalent", reached)
+
+
+BAD_FLASH_KWARGS = [
+    # A maximum beyond the token count once reached the kernels: on CUDA the device-side check's int32 comparison
+    # overflowed and killed the process, on CPU the exact path tried to allocate 8 TiB.
+    ({"max_length_q": 2**40}, ValueError, r"max_length_q = 1099511627776 exceeds the 8 packed tokens"),
+    ({"max_length_k": 9}, ValueError, r"max_length_k = 9 exceeds the 8 packed tokens"),
+    ({"max_length_k": -1}, ValueError, r"max_length_k must be >= 0, got -1"),
+    ({"max_length_k": None}, ValueError, r"cu_seq_lens_q, cu_seq_lens_k, max_length_q and max_length_k go together.* without max_length_k"),
+    ({"cu_seq_lens_k": None, "max_length_k": None}, ValueError, r"go together.* without cu_seq_lens_k, max_length_k"),
+    ({"cu_seq_lens_q": torch.tensor([0.0, 3.0, 8.0])}, TypeError, r"cu_seq_lens_q must be int32 or int64, got torch.float32"),
+    ({"cu_seq_lens_q": torch.tensor([0, 3, 5, 8], dtype=torch.int32)}, ValueError,
+     r"cu_seq_lens_q and cu_seq_lens_k describe different batch sizes: 3 and 2"),
+    ({"cu_seq_lens_k": torch.tensor([[0, 3, 8]], dtype=torch.int32)}, ValueError,
+     r"cu_seq_lens_k must be 1-D with B \+ 1 >= 2 entries, got shape \(1, 3\)"),
+]
+
+
+def _kwargs_id(bad: dict) -> str:
+    return ",".join(f"{k}={list(v.shape) if isinstance(v, torch.Tensor) else v}" for k, v in bad.items())
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma2"])  # gemma2: the eager fallback (softcapping) reads the documents too
+@pytest.mark.parametrize("bad, error, message", BAD_FLASH_KWARGS, ids=[_kwargs_id(bad) for bad, _, _ in BAD_FLASH_KWARGS])
+def test_bad_flash_kwargs_are_refused_before_any_attention(name, bad, error, message, no_attention_runs):
+    batch = packed_batch(documents((3, 5), seed=11))
+    batch.update(bad)
+    model = build(name, "cudnn")
+    with torch.no_grad(), pytest.raises(error, match=message):
+        model(**batch, use_cache=False)
+
+
 def test_autocast_float32_query_is_cast_like_flash():
     from cudnn_attention.integrations.hf.attention_function import _to_compute_dtype
 

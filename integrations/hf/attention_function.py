@@ -41,7 +41,7 @@ def cudnn_attention_forward(module, query, key, value, attention_mask, dropout=0
     query, key, value = _to_compute_dtype(query, key, value)
     B, _, q_len, _ = query.shape
     kv_len = key.shape[2]
-    user_packing = None if attention_mask is not None else _user_packing(kwargs, B * q_len, B * kv_len)
+    user_packing = None if attention_mask is not None else _user_packing(kwargs, B * q_len, B * kv_len, query.device)
 
     reason = _inexpressible(attention_mask, dropout, softcap, kwargs)
     if reason is not None:
@@ -213,20 +213,30 @@ def _packed(query, key, value, cu_q, cu_k, max_q, max_k, *, window, scale, causa
     return out_THD.view(B, S, H, -1)
 
 
-def _user_packing(kwargs, tokens_q: int, tokens_k: int):
+_FLASH_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+
+
+def _user_packing(kwargs, tokens_q: int, tokens_k: int, device):
     """(cu_q, cu_k, max_q, max_k) from ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``'s
     kwargs, checked (every path that reads them, the eager fallback included), or None.
 
-    In a transformers batch every token is real, so the prefix sums must cover all of them (one
-    past ``cu[-1]`` would get a zero output), and ``max_length`` must bound every document (a
-    longer one would be cut short): the core's check, CPU on the host with a ValueError naming the
-    argument, CUDA on the device without a sync."""
-    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
-    if cu_q is None or cu_k is None or kwargs.get("max_length_q") is None:
+    The four come together: with some missing, which document each token belongs to would be a guess (flash
+    silently ignores them all, and documents then attend to each other unless position_ids say otherwise).
+    Their shapes, dtypes, device and the maxima (in [0, tokens]) are checked on the host like the core's,
+    named as transformers names them. In a transformers batch every token is real, so the prefix sums must
+    cover all of them (one past ``cu[-1]`` would get a zero output), and ``max_length`` must bound every
+    document (a longer one would be cut short): the core's check, CPU on the host with a ValueError naming
+    the argument, CUDA on the device without a sync."""
+    cu_q, cu_k, max_q, max_k = (kwargs.get(name) for name in _FLASH_KWARGS)
+    if cu_q is None and cu_k is None and max_q is None and max_k is None:
         return None
-    max_q, max_k = int(kwargs["max_length_q"]), int(kwargs["max_length_k"])
-    validation.check_prefix_sums(cu_q, cu_k, tokens_q, tokens_k, max_q, max_k, validate=False, cover_all=True,
-                                 names=("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"))  # fmt: skip
+    if cu_q is None or cu_k is None or max_q is None or max_k is None:
+        missing = ", ".join(name for name, value in zip(_FLASH_KWARGS, (cu_q, cu_k, max_q, max_k)) if value is None)
+        raise ValueError(f"cu_seq_lens_q, cu_seq_lens_k, max_length_q and max_length_k go together (DataCollatorWithFlattening("
+                         f"return_flash_attn_kwargs=True) gives all four), got them without {missing}")  # fmt: skip
+    max_q, max_k = int(max_q), int(max_k)
+    validation.check_cu_seqlens(cu_q, cu_k, max_q, max_k, device, total_q=tokens_q, total_kv=tokens_k, names=_FLASH_KWARGS)
+    validation.check_prefix_sums(cu_q, cu_k, tokens_q, tokens_k, max_q, max_k, validate=False, cover_all=True, names=_FLASH_KWARGS)
     return cu_q, cu_k, max_q, max_k
 
 
