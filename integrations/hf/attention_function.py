@@ -26,7 +26,7 @@ from ... import tensor_memo, validation
 from ...api import _needs_grad, attention, varlen_attention
 from ...policy import fallback_output, note_fallback
 from .eager_fallback import eager_equivalent, keep_mask_4d
-from .mask_function import is_tracing, pad_keys, query_positions
+from .mask_function import check_padding_mask, is_tracing, pad_keys, query_positions
 
 __all__ = ["cudnn_attention_forward"]
 
@@ -39,8 +39,10 @@ def cudnn_attention_forward(module, query, key, value, attention_mask, dropout=0
         is_causal = getattr(module, "is_causal", True)
     sinks = kwargs.get("s_aux")
     query, key, value = _to_compute_dtype(query, key, value)
-    B, _, q_len, _ = query.shape
+    B, H, q_len, _ = query.shape
     kv_len = key.shape[2]
+    if attention_mask is not None:
+        _check_mask(attention_mask, batch=B, heads=H, q_len=q_len, kv_len=kv_len, causal=is_causal)
     user_packing = None if attention_mask is not None else _user_packing(kwargs, B * q_len, B * kv_len, query.device)
 
     reason = _inexpressible(attention_mask, dropout, softcap, kwargs)
@@ -66,6 +68,25 @@ def cudnn_attention_forward(module, query, key, value, attention_mask, dropout=0
 
     out = attention(query, key, value, bottom_right=q_len != kv_len, window_size=_window(sliding_window, is_causal, kv_len), **options)
     return out.transpose(1, 2), None
+
+
+def _check_mask(attention_mask, *, batch: int, heads: int, q_len: int, kv_len: int, causal: bool) -> None:
+    """The mask's shape against the queries and keys, on the host before anything runs. A 4-D mask goes to the
+    model's eager attention as it is, where a wrong shape broke only after the scores were computed, and an
+    integer keep-mask was added to them (+1 where kept: nothing masked). A causal layer's 2-D mask holds the
+    queries as its last columns (see mask_function), so it cannot be narrower than them."""
+    if attention_mask.dim() != 4:
+        check_padding_mask(attention_mask, batch)
+        if causal and attention_mask.shape[1] < q_len:
+            raise ValueError(f"attention_mask has {attention_mask.shape[1]} columns (keys), fewer than the {q_len} new tokens: a 2-D "
+                             "attention_mask needs one column per key, past and current, the new tokens' own included")  # fmt: skip
+        return
+    if attention_mask.dtype != torch.bool and not attention_mask.is_floating_point():
+        raise TypeError(f"a 4-D attention_mask must be bool (True attends) or floating (added to the scores), got {attention_mask.dtype}")
+    b, h, q, k = attention_mask.shape
+    if b not in (1, batch) or h not in (1, heads) or q not in (1, q_len) or k != kv_len:
+        raise ValueError(f"a 4-D attention_mask must have shape (1 or {batch}, 1 or {heads}, 1 or {q_len}, {kv_len}) for these queries "
+                         f"and keys, got {tuple(attention_mask.shape)}")  # fmt: skip
 
 
 def _to_compute_dtype(query, key, value):
