@@ -174,10 +174,10 @@ def varlen_attention(
     """Attention over packed documents: (T, H, D) tensors and int32/int64 prefix sums of lengths.
 
     Document b holds tokens ``cu_seqlens[b]:cu_seqlens[b + 1]`` of each side; no token attends
-    outside its document. ``max_seqlen_*`` (Python ints) bound the longest document. Tokens past
-    ``cu_seqlens[-1]`` (a capacity tail) get a zero output and zero gradient. Options as in
-    :func:`attention`, applied per document (``bottom_right`` aligns each document's last query
-    with its last key).
+    outside its document. ``max_seqlen_*`` (Python ints in ``[0, T]`` of their side) bound the
+    longest document. Tokens past ``cu_seqlens[-1]`` (a capacity tail) get a zero output and zero
+    gradient. Options as in :func:`attention`, applied per document (``bottom_right`` aligns each
+    document's last query with its last key).
 
     The prefix sums must start at 0, never decrease, end within T and respect ``max_seqlen_*``.
     ``validate=True`` checks that on the host with an error naming the value; it synchronizes with
@@ -199,7 +199,8 @@ def varlen_attention(
     if served is None:
         given = (q, k, v)
         q, k, v = validation.check_qkv(q, k, v, packed=True)
-        validation.check_cu_seqlens(cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, q.device)
+        validation.check_cu_seqlens(cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, q.device, total_q=q.shape[0],
+                                    total_kv=k.shape[0])  # fmt: skip
         mask = make_mask_spec(causal=causal, bottom_right=bottom_right, window_size=window_size)
         q, scale = validation.positive_scale(q, validation.resolve_scale(scale, q.shape[-1]))
         sinks = validation.check_sinks(sinks, q, q.shape[1])
@@ -235,7 +236,10 @@ def serve(call: AttentionCall, q, k, v, *, sinks, lengths: Lengths, plan=None, s
     else:
         empty, reason = False, None
     if not empty and reason is None:
-        return cudnn_forward(plan, call, q, k, v, sinks=None if sinks is None else sinks.to(torch.float32), lengths=lengths)
+        # The kernels read the sinks as H consecutive float32 values (no stride): a strided view is made dense, as
+        # any other dtype is converted (both differentiable, both free when the sinks already are so).
+        sinks = None if sinks is None else sinks.to(torch.float32).contiguous()
+        return cudnn_forward(plan, call, q, k, v, sinks=sinks, lengths=lengths)
     if reason is not None:
         note_fallback("forward", reason, caller_depth=2)  # raises in strict mode, before any work
     if call.packed:

@@ -69,7 +69,7 @@ def _resolve(q, k, v, *, cu_seqlens_q, cu_seqlens_kv, max_q, max_kv, is_causal, 
     packed = cu_seqlens_q is not None
     q, k, v = validation.check_qkv(q, k, v, packed=packed)
     if packed:
-        validation.check_cu_seqlens(cu_seqlens_q, cu_seqlens_kv, max_q, max_kv, q.device)
+        validation.check_cu_seqlens(cu_seqlens_q, cu_seqlens_kv, max_q, max_kv, q.device, total_q=q.shape[0], total_kv=k.shape[0])
     q, scale = validation.positive_scale(q, validation.resolve_scale(scale, q.shape[-1]))
     mask = make_mask_spec(causal=is_causal, bottom_right=bottom_right, window_size=window_size)
     if validation.nothing_to_compute(q, k, max_seqlen_q=max_q, max_seqlen_kv=max_kv):

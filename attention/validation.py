@@ -142,10 +142,26 @@ def check_seqlens(seqlens, name: str, batch: int, device: torch.device) -> torch
     return seqlens
 
 
-def check_cu_seqlens(cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, device: torch.device) -> None:
-    """Prefix sums: 1-D int32/int64 tensors of equal length B + 1 >= 2; maxima non-negative ints
-    (0 when every document of that side is empty)."""
-    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_kv", cu_seqlens_kv)):
+def check_cu_seqlens(
+    cu_seqlens_q,
+    cu_seqlens_kv,
+    max_seqlen_q,
+    max_seqlen_kv,
+    device: torch.device,
+    *,
+    total_q: int,
+    total_kv: int,
+    names: tuple[str, str, str, str] = ("cu_seqlens_q", "cu_seqlens_kv", "max_seqlen_q", "max_seqlen_kv"),
+) -> None:
+    """Prefix sums: 1-D int32/int64 tensors of equal length B + 1 >= 2 on ``device``; maxima Python ints in
+    ``[0, T]`` of their side (0 when every document of that side is empty). All of it is host metadata, so it
+    is checked on every device, with the argument named as the caller calls it (``names``: the two prefix
+    sums, then the two maxima).
+
+    A maximum above T cannot bound a real document (none is longer than all the tokens), and it is not
+    harmless: the device-side check compares it in the prefix sums' int32 (2**40 wraps to 0, a false alarm
+    that stops the process), and the exact path allocates memory in proportion to it."""
+    for name, cu in zip(names[:2], (cu_seqlens_q, cu_seqlens_kv)):
         _require_tensor(cu, name)
         if cu.dtype not in _INDEX_DTYPES:
             raise TypeError(f"{name} must be int32 or int64, got {cu.dtype}")
@@ -154,12 +170,15 @@ def check_cu_seqlens(cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, d
         if cu.device != device:
             raise ValueError(f"{name} must be on {device} like q, got {cu.device}")
     if cu_seqlens_q.shape[0] != cu_seqlens_kv.shape[0]:
-        raise ValueError(f"cu_seqlens_q and cu_seqlens_kv describe different batch sizes: {cu_seqlens_q.shape[0] - 1} and {cu_seqlens_kv.shape[0] - 1}")
-    for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_kv", max_seqlen_kv)):
+        batches = (cu_seqlens_q.shape[0] - 1, cu_seqlens_kv.shape[0] - 1)
+        raise ValueError(f"{names[0]} and {names[1]} describe different batch sizes: {batches[0]} and {batches[1]}")
+    for name, value, total in ((names[2], max_seqlen_q, total_q), (names[3], max_seqlen_kv, total_kv)):
         if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(f"{name} must be a Python int, got {value!r} ({type(value).__name__})")
         if value < 0:
             raise ValueError(f"{name} must be >= 0, got {value}")
+        if value > total:
+            raise ValueError(f"{name} = {value} exceeds the {total} packed tokens: no document is longer than all of them")
 
 
 def check_prefix_sums(

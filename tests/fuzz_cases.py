@@ -131,6 +131,9 @@ def _draw_family(seed: int, family: int, profile: str) -> dict:
         fam["t_q"] = r.choice(p["tokens"])
         fam["t_kv"] = fam["t_q"] if (fam["same_cu"] or layout == "qkv_interleaved") else r.choice(p["tokens"])
         fam["cu_dtype"] = r.choice(["int32", "int64"])
+        # A bound beyond the token count is refused (no document can be that long); clamped after the draws, so each
+        # seed draws the same families as before.
+        fam["bound_q"], fam["bound_kv"] = min(fam["bound_q"], fam["t_q"]), min(fam["bound_kv"], fam["t_kv"])
     if large:
         rows, keys = (fam["b"] * fam["s_q"], fam["s_kv"]) if kind != "packed" else (fam["t_q"], fam["t_kv"])
         while fam["h_q"] > 1 and fam["h_q"] * rows * keys > p["large_scores"]:

@@ -577,8 +577,21 @@ def _(dev):
 
 @case("empty_packed_T0_max1")
 def _(dev):
+    # A bound above the token count (here none) cannot bound a real document: refused on the host.
     q, k, v, cu_q, cu_kv, _, _ = packed(dev, lengths=(0,), grad=True)
-    return expect_reference("varlen", (q, k, v, cu_q, cu_kv, 1, 1), dict())
+    return expect_error(VE, r"max_seqlen_q = 1 exceeds the 0 packed tokens", lambda: VA(q, k, v, cu_q, cu_kv, 1, 1))
+
+
+@case("max_seqlen_past_T", devices=("cpu", "cuda"))
+def _(dev):
+    return expect_error(VE, r"max_seqlen_kv = 7 exceeds the 6 packed tokens", lambda: VA(**_packed_with(dev, max_seqlen_kv=7)))
+
+
+@case("max_seqlen_2_pow_40", devices=("cpu", "cuda"))
+def _(dev):
+    # Once a device-side assertion on CUDA (the check's int32 comparison wrapped 2**40 to 0) and an 8 TiB allocation on CPU.
+    return expect_error(VE, r"max_seqlen_q = 1099511627776 exceeds the 6 packed tokens",
+                        lambda: VA(**_packed_with(dev, max_seqlen_q=2**40)))  # fmt: skip
 
 
 @case("doc_with_queries_but_no_keys", devices=("cpu", "cuda"))
@@ -590,12 +603,12 @@ def _(dev):
 
 
 INVALID_CU = {
-    # name: (cu_seqlens_q values over 6 tokens, max_seqlen_q, message pattern)
+    # name: (cu_seqlens_q values over 6 tokens, max_seqlen_q (at most 6: a larger one is refused first), message pattern)
     "non_monotonic": ([0, 4, 2], 4, r"cu_seqlens_q.*non-decreasing.*4"),
-    "end_past_T": ([0, 2, 9], 7, r"cu_seqlens_q\[-1\] = 9 exceeds the 6"),
+    "end_past_T": ([0, 2, 9], 6, r"cu_seqlens_q\[-1\] = 9 exceeds the 6"),
     "start_not_zero": ([1, 2, 6], 4, r"cu_seqlens_q must start at 0, got 1"),
     "doc_longer_than_max": ([0, 2, 6], 3, r"cu_seqlens_q has 4 tokens, more than max_seqlen.* 3"),
-    "negative_entry": ([0, -2, 6], 8, r"cu_seqlens_q.*non-decreasing.*-2"),
+    "negative_entry": ([0, -2, 6], 6, r"cu_seqlens_q.*non-decreasing.*-2"),
 }
 
 

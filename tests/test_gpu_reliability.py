@@ -143,7 +143,8 @@ def test_interleaved_qkv_packed_backward_is_right_and_does_not_fault(head_dim):
 
 @pytest.mark.parametrize(
     "cu_q, max_q",
-    [([0, 4, 2, 8], 8), ([0, 4, 8, 4000], 4000), ([0, 4, 8, 12], 3), ([2, 4, 8, 12], 8)],
+    # past_T: the last document (5 tokens) within max_q, its end past the 12 tokens (a max_q above 12 is refused on the host).
+    [([0, 4, 2, 8], 8), ([0, 4, 8, 13], 5), ([0, 4, 8, 12], 3), ([2, 4, 8, 12], 8)],
     ids=["decreasing", "past_T", "longer_than_max", "not_from_zero"],
 )
 def test_invalid_prefix_sums_without_validate_stop_loudly(cu_q, max_q):

@@ -462,6 +462,136 @@ def test_bad_packing_metadata_is_refused(name, bad, message):
         model(**batch, use_cache=False)
 
 
+@pytest.fixture
+def no_attention_runs(monkeypatch):
+    """Fails the test if any attention is computed (cuDNN, the core's exact path or the model's eager one): the
+    input errors below must come first."""
+    from cudnn_attention import api
+    from cudnn_attention.integrations.hf import attention_function
+
+    def reached(*args, **kwargs):
+        raise AssertionError("attention was computed before the input error")
+
+    monkeypatch.setattr(api, "serve", reached)
+    monkeypatch.setattr(attention_function, "eager_equivalent", reached)
+
+
+BAD_FLASH_KWARGS = [
+    # A maximum beyond the token count once reached the kernels: on CUDA the device-side check's int32 comparison
+    # overflowed and killed the process, on CPU the exact path tried to allocate 8 TiB.
+    ({"max_length_q": 2**40}, ValueError, r"max_length_q = 1099511627776 exceeds the 8 packed tokens"),
+    ({"max_length_k": 9}, ValueError, r"max_length_k = 9 exceeds the 8 packed tokens"),
+    ({"max_length_k": -1}, ValueError, r"max_length_k must be >= 0, got -1"),
+    ({"max_length_k": None}, ValueError, r"cu_seq_lens_q, cu_seq_lens_k, max_length_q and max_length_k go together.* without max_length_k"),
+    ({"cu_seq_lens_k": None, "max_length_k": None}, ValueError, r"go together.* without cu_seq_lens_k, max_length_k"),
+    ({"cu_seq_lens_q": torch.tensor([0.0, 3.0, 8.0])}, TypeError, r"cu_seq_lens_q must be int32 or int64, got torch.float32"),
+    ({"cu_seq_lens_q": torch.tensor([0, 3, 5, 8], dtype=torch.int32)}, ValueError,
+     r"cu_seq_lens_q and cu_seq_lens_k describe different batch sizes: 3 and 2"),
+    ({"cu_seq_lens_k": torch.tensor([[0, 3, 8]], dtype=torch.int32)}, ValueError,
+     r"cu_seq_lens_k must be 1-D with B \+ 1 >= 2 entries, got shape \(1, 3\)"),
+]
+
+
+def _kwargs_id(bad: dict) -> str:
+    return ",".join(f"{k}={list(v.shape) if isinstance(v, torch.Tensor) else v}" for k, v in bad.items())
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma2"])  # gemma2: the eager fallback (softcapping) reads the documents too
+@pytest.mark.parametrize("bad, error, message", BAD_FLASH_KWARGS, ids=[_kwargs_id(bad) for bad, _, _ in BAD_FLASH_KWARGS])
+def test_bad_flash_kwargs_are_refused_before_any_attention(name, bad, error, message, no_attention_runs):
+    batch = packed_batch(documents((3, 5), seed=11))
+    batch.update(bad)
+    model = build(name, "cudnn")
+    with torch.no_grad(), pytest.raises(error, match=message):
+        model(**batch, use_cache=False)
+
+
+def _past_then(model, ids, past: int, mask_width: int):
+    """A forward of ``ids[:, past:]`` after a cached prefill of ``ids[:, :past]``, with a 2-D mask of ``mask_width`` columns."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    # (input_ids, attention_mask, position_ids, cache) by position: 5.24 renamed past_key_values to cache.
+    with torch.no_grad():
+        model(ids[:, :past], torch.ones(ids.shape[0], past, dtype=torch.long), None, cache)
+    return model(ids[:, past:], torch.ones(ids.shape[0], mask_width, dtype=torch.long), None, cache)
+
+
+def _padded_ones(batch, width, padded=2):
+    mask = torch.ones(batch, width, dtype=torch.long)
+    mask[0, :padded] = 0
+    return mask
+
+
+SHORT_MASKS = {
+    # The user's report: input_ids (2, 11), mask (2, 8) with the default cache. The queries were read as the last 11 of 8
+    # keys: an out-of-bounds gather (CPU: "INDICES element is out of DATA bounds", CUDA: CUBLAS_STATUS_INTERNAL_ERROR).
+    "with a cache": (lambda model, ids: model(ids, attention_mask=torch.ones(2, 8, dtype=torch.long)),
+                     r"attention_mask has 8 columns, but the keys number 11 \(0 cached \+ 11 new\)"),
+    # Without a cache transformers takes the key count from the mask itself; the attention function sees the 11 queries.
+    "padded, no cache": (lambda model, ids: model(ids, attention_mask=_padded_ones(2, 8), use_cache=False),
+                         r"attention_mask has 8 columns \(keys\), fewer than the 11 new tokens"),
+    # Once served without a word: the 5 new tokens were read as keys 0..4 and attended to nothing after them.
+    "after a prefill": (lambda model, ids: _past_then(model, ids, 6, 5),
+                        r"attention_mask has 5 columns, but the keys number 11 \(6 cached \+ 5 new\)"),
+    "one short after a prefill": (lambda model, ids: _past_then(model, ids, 6, 10),
+                                  r"attention_mask has 10 columns, but the keys number 11 \(6 cached \+ 5 new\)"),
+}
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral"])
+@pytest.mark.parametrize("case", SHORT_MASKS)
+def test_a_2d_mask_shorter_than_the_keys_is_refused(name, case):
+    call, message = SHORT_MASKS[case]
+    model = build(name, "cudnn")
+    with torch.no_grad(), pytest.raises(ValueError, match=message):
+        call(model, random_ids(2, 11, seed=13))
+
+
+def test_a_2d_mask_covering_past_and_new_keys_is_served():
+    # The same calls at the widths transformers expects, against eager (the refusals above are no blanket rule).
+    ids = random_ids(2, 11, seed=13)
+    got, expected = [], []
+    for impl, out in (("cudnn", got), ("eager", expected)):
+        model = build("llama", impl)
+        with torch.no_grad():
+            out.append(model(ids, attention_mask=torch.ones(2, 11, dtype=torch.long)).logits)
+            out.append(_past_then(model, ids, 6, 11).logits)
+    for a, b in zip(got, expected):
+        assert_close_rel(a, b, "logits")
+
+
+BAD_MASKS = [
+    (torch.ones(1, 11, dtype=torch.long), ValueError, r"attention_mask has 1 rows for a batch of 2"),
+    (torch.ones(2, 11, 11, dtype=torch.bool), ValueError, r"attention_mask must be 2-D \(batch, keys\) or 4-D .*got shape \(2, 11, 11\)"),
+    # 4-D masks go to the model's eager attention as they are; a wrong shape there broke only after the scores were computed.
+    (torch.ones(2, 1, 11, 9, dtype=torch.bool), ValueError,
+     r"4-D attention_mask must have shape \(1 or 2, 1 or 4, 1 or 11, 11\).* got \(2, 1, 11, 9\)"),
+    (torch.zeros(1, 1, 11, 13), ValueError, r"4-D attention_mask must have shape \(1 or 2, 1 or 4, 1 or 11, 11\).* got \(1, 1, 11, 13\)"),
+    (torch.ones(2, 3, 11, 11, dtype=torch.bool), ValueError, r"got \(2, 3, 11, 11\)"),
+    (torch.ones(3, 1, 11, 11, dtype=torch.bool), ValueError, r"got \(3, 1, 11, 11\)"),
+    # An integer 0/1 keep-mask was added to the scores as it was (+1 where kept): no masking at all, without a word.
+    (torch.ones(2, 1, 11, 11, dtype=torch.long).tril(), TypeError, r"4-D attention_mask must be bool .* or floating .*, got torch.int64"),
+]
+
+
+@pytest.mark.parametrize("mask, error, message", BAD_MASKS, ids=[f"{tuple(m.shape)} {str(m.dtype)[6:]}" for m, _, _ in BAD_MASKS])
+def test_a_mask_of_the_wrong_shape_is_refused_before_any_attention(mask, error, message, no_attention_runs):
+    model = build("llama", "cudnn")
+    with torch.no_grad(), pytest.raises(error, match=message):
+        model(random_ids(2, 11), attention_mask=mask, use_cache=False)
+
+
+@pytest.mark.parametrize("shape", [(2, 1, 11, 11), (1, 4, 11, 11), (2, 1, 1, 11)])
+def test_a_broadcastable_4d_mask_is_served_like_eager(shape):
+    keep = torch.ones(shape, dtype=torch.bool).tril() if shape[2] > 1 else torch.ones(shape, dtype=torch.bool)
+    keep[..., 0] = True
+    keep[0, ..., 1] = False
+    additive = torch.zeros(shape).masked_fill(~keep, torch.finfo(torch.float32).min)
+    got, expected = compare_with_eager("llama", input_ids=random_ids(2, 11), attention_mask=additive)
+    assert_close_rel(got, expected, f"{shape} logits")
+
+
 def test_autocast_float32_query_is_cast_like_flash():
     from cudnn_attention.integrations.hf.attention_function import _to_compute_dtype
 

@@ -109,6 +109,12 @@ def test_an_equal_option_of_another_type_is_still_checked(served_on_cpu, valid, 
          r"cu_seqlens_q\[-1\] = 9 exceeds the 6 packed tokens"),
         (lambda a: {**a, "cu_seqlens_q": torch.tensor([1, 2, 6], dtype=torch.int32), "validate": True}, ValueError, r"must start at 0, got 1"),
         (lambda a: {**a, "max_seqlen_q": 3, "validate": True}, ValueError, r"has 4 tokens, more than max_seqlen_q 3"),
+        # No document is longer than all the tokens: a larger maximum is a claim the host can refuse (2**40 once overflowed
+        # the device-side check's int32 comparison and killed the process; on CPU the exact path tried to allocate 8 TiB).
+        (lambda a: {**a, "max_seqlen_q": 2**40}, ValueError, r"max_seqlen_q = 1099511627776 exceeds the 6 packed tokens"),
+        (lambda a: {**a, "max_seqlen_kv": 7}, ValueError, r"max_seqlen_kv = 7 exceeds the 6 packed tokens"),
+        (lambda a: {**a, "k": a["k"][:5], "v": a["v"][:5], "cu_seqlens_kv": torch.tensor([0, 2, 5], dtype=torch.int32), "max_seqlen_kv": 6},
+         ValueError, r"max_seqlen_kv = 6 exceeds the 5 packed tokens"),  # each side's bound is its own tensor's token count
     ],
 )
 def test_varlen_errors(mutate, error, pattern, remembered):
@@ -158,3 +164,25 @@ def test_prefix_sum_checks_are_remembered_per_tensor_version():
     assert tensor_memo.recall(cu_q, strict_key, cu_kv) and tensor_memo.recall(cu_q, plain_key, cu_kv)
     cu_q.add_(0)  # an in-place write is a new version: checked again
     assert not tensor_memo.recall(cu_q, strict_key, cu_kv) and not tensor_memo.recall(cu_q, plain_key, cu_kv)
+
+
+def test_strided_sinks_reach_the_kernel_contiguous(served_on_cpu, monkeypatch):
+    # The kernels read the sinks as H consecutive float32 values (cuDNN's (1, H, 1, 1) descriptor, the fold's sinks_ptr + h):
+    # a strided view, e.g. every other entry of a fused parameter, would be read as the wrong logits without a word.
+    from cudnn_attention import api
+
+    seen = []
+    launch = api.cudnn_forward
+
+    def recording(plan, call, q, k, v, *, sinks, lengths):
+        seen.append((tuple(sinks.shape), sinks.is_contiguous()))
+        return launch(plan, call, q, k, v, sinks=sinks, lengths=lengths)
+
+    monkeypatch.setattr(api, "cudnn_forward", recording)
+    q, k, v = dense()
+    strided = torch.randn(8)[::2]
+    out = cudnn_attention.attention(q, k, v, sinks=strided)
+    q_p, k_p, v_p, cu = packed()
+    cudnn_attention.varlen_attention(q_p, k_p, v_p, cu, cu, 4, 4, sinks=strided)
+    assert seen == [((4,), True), ((4,), True)]
+    torch.testing.assert_close(out, cudnn_attention.attention(q, k, v, sinks=strided.contiguous()), rtol=0, atol=0)

@@ -26,7 +26,7 @@ from ... import tensor_memo, validation
 from ...api import _needs_grad, attention, varlen_attention
 from ...policy import fallback_output, note_fallback
 from .eager_fallback import eager_equivalent, keep_mask_4d
-from .mask_function import is_tracing, pad_keys, query_positions
+from .mask_function import check_padding_mask, is_tracing, pad_keys, query_positions
 
 __all__ = ["cudnn_attention_forward"]
 
@@ -39,9 +39,11 @@ def cudnn_attention_forward(module, query, key, value, attention_mask, dropout=0
         is_causal = getattr(module, "is_causal", True)
     sinks = kwargs.get("s_aux")
     query, key, value = _to_compute_dtype(query, key, value)
-    B, _, q_len, _ = query.shape
+    B, H, q_len, _ = query.shape
     kv_len = key.shape[2]
-    user_packing = None if attention_mask is not None else _user_packing(kwargs, B * q_len, B * kv_len)
+    if attention_mask is not None:
+        _check_mask(attention_mask, batch=B, heads=H, q_len=q_len, kv_len=kv_len, causal=is_causal)
+    user_packing = None if attention_mask is not None else _user_packing(kwargs, B * q_len, B * kv_len, query.device)
 
     reason = _inexpressible(attention_mask, dropout, softcap, kwargs)
     if reason is not None:
@@ -66,6 +68,25 @@ def cudnn_attention_forward(module, query, key, value, attention_mask, dropout=0
 
     out = attention(query, key, value, bottom_right=q_len != kv_len, window_size=_window(sliding_window, is_causal, kv_len), **options)
     return out.transpose(1, 2), None
+
+
+def _check_mask(attention_mask, *, batch: int, heads: int, q_len: int, kv_len: int, causal: bool) -> None:
+    """The mask's shape against the queries and keys, on the host before anything runs. A 4-D mask goes to the
+    model's eager attention as it is, where a wrong shape broke only after the scores were computed, and an
+    integer keep-mask was added to them (+1 where kept: nothing masked). A causal layer's 2-D mask holds the
+    queries as its last columns (see mask_function), so it cannot be narrower than them."""
+    if attention_mask.dim() != 4:
+        check_padding_mask(attention_mask, batch)
+        if causal and attention_mask.shape[1] < q_len:
+            raise ValueError(f"attention_mask has {attention_mask.shape[1]} columns (keys), fewer than the {q_len} new tokens: a 2-D "
+                             "attention_mask needs one column per key, past and current, the new tokens' own included")  # fmt: skip
+        return
+    if attention_mask.dtype != torch.bool and not attention_mask.is_floating_point():
+        raise TypeError(f"a 4-D attention_mask must be bool (True attends) or floating (added to the scores), got {attention_mask.dtype}")
+    b, h, q, k = attention_mask.shape
+    if b not in (1, batch) or h not in (1, heads) or q not in (1, q_len) or k != kv_len:
+        raise ValueError(f"a 4-D attention_mask must have shape (1 or {batch}, 1 or {heads}, 1 or {q_len}, {kv_len}) for these queries "
+                         f"and keys, got {tuple(attention_mask.shape)}")  # fmt: skip
 
 
 def _to_compute_dtype(query, key, value):
@@ -213,20 +234,30 @@ def _packed(query, key, value, cu_q, cu_k, max_q, max_k, *, window, scale, causa
     return out_THD.view(B, S, H, -1)
 
 
-def _user_packing(kwargs, tokens_q: int, tokens_k: int):
+_FLASH_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+
+
+def _user_packing(kwargs, tokens_q: int, tokens_k: int, device):
     """(cu_q, cu_k, max_q, max_k) from ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``'s
     kwargs, checked (every path that reads them, the eager fallback included), or None.
 
-    In a transformers batch every token is real, so the prefix sums must cover all of them (one
-    past ``cu[-1]`` would get a zero output), and ``max_length`` must bound every document (a
-    longer one would be cut short): the core's check, CPU on the host with a ValueError naming the
-    argument, CUDA on the device without a sync."""
-    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
-    if cu_q is None or cu_k is None or kwargs.get("max_length_q") is None:
+    The four come together: with some missing, which document each token belongs to would be a guess (flash
+    silently ignores them all, and documents then attend to each other unless position_ids say otherwise).
+    Their shapes, dtypes, device and the maxima (in [0, tokens]) are checked on the host like the core's,
+    named as transformers names them. In a transformers batch every token is real, so the prefix sums must
+    cover all of them (one past ``cu[-1]`` would get a zero output), and ``max_length`` must bound every
+    document (a longer one would be cut short): the core's check, CPU on the host with a ValueError naming
+    the argument, CUDA on the device without a sync."""
+    cu_q, cu_k, max_q, max_k = (kwargs.get(name) for name in _FLASH_KWARGS)
+    if cu_q is None and cu_k is None and max_q is None and max_k is None:
         return None
-    max_q, max_k = int(kwargs["max_length_q"]), int(kwargs["max_length_k"])
-    validation.check_prefix_sums(cu_q, cu_k, tokens_q, tokens_k, max_q, max_k, validate=False, cover_all=True,
-                                 names=("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"))  # fmt: skip
+    if cu_q is None or cu_k is None or max_q is None or max_k is None:
+        missing = ", ".join(name for name, value in zip(_FLASH_KWARGS, (cu_q, cu_k, max_q, max_k)) if value is None)
+        raise ValueError(f"cu_seq_lens_q, cu_seq_lens_k, max_length_q and max_length_k go together (DataCollatorWithFlattening("
+                         f"return_flash_attn_kwargs=True) gives all four), got them without {missing}")  # fmt: skip
+    max_q, max_k = int(max_q), int(max_k)
+    validation.check_cu_seqlens(cu_q, cu_k, max_q, max_k, device, total_q=tokens_q, total_kv=tokens_k, names=_FLASH_KWARGS)
+    validation.check_prefix_sums(cu_q, cu_k, tokens_q, tokens_k, max_q, max_k, validate=False, cover_all=True, names=_FLASH_KWARGS)
     return cu_q, cu_k, max_q, max_k
 
 

@@ -18,6 +18,10 @@ silently dropping padding). This one returns, like FlashAttention's:
   inside a traced graph: cuDNN cannot express those, and the attention function then runs the
   exact eager-equivalent path on that mask.
 
+A 2-D mask that cannot be the input's (a row count other than the batch's, or, in a causal layer, fewer columns
+than the keys seen so far) raises a ValueError naming both sizes before anything is computed; see
+``_check_covers_seen_keys`` for what a narrower mask legitimately is.
+
 The function is traceable (``torch.compile(fullgraph=True)``): no data-dependent Python branch runs
 while tracing. Outside tracing it reads two things on the host, once per forward, as transformers'
 sdpa and flash mask builders do: whether a padding mask is all ones (then ``None``), and a static
@@ -33,7 +37,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["cudnn_attention_mask", "is_tracing", "pad_keys", "query_positions"]
+__all__ = ["check_padding_mask", "cudnn_attention_mask", "is_tracing", "pad_keys", "query_positions"]
 
 
 def cudnn_attention_mask(
@@ -46,6 +50,12 @@ def cudnn_attention_mask(
     attention_mask: torch.Tensor | None = None,
     **kwargs,
 ):
+    if attention_mask is not None:
+        check_padding_mask(attention_mask, batch_size)
+        # transformers' bidirectional masks (encoders, cross-attention, drafters) are the calls that pass this; their
+        # masks may legitimately cover other keys than the queries' past (the encoder's, or only the accepted tokens).
+        if "allow_is_bidirectional_skip" not in kwargs:
+            _check_covers_seen_keys(attention_mask.shape[-1], q_offset=q_offset, q_length=q_length, kv_length=kv_length)
     if kwargs.get("use_vmap"):
         # Custom overlays (e.g. bidirectional image tokens) only transformers can evaluate.
         return _sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask, use_vmap=True, **kwargs)
@@ -65,6 +75,31 @@ def cudnn_attention_mask(
     if written >= kv_length:
         return None
     return torch.ones(batch_size, written, dtype=torch.bool, device=kwargs.get("device"))
+
+
+def check_padding_mask(attention_mask: torch.Tensor, batch_size: int) -> None:
+    """A 2-D padding mask has one row per sequence. (transformers passes a 4-D mask to the attention function as
+    it is, without calling this function, and any other rank would be sliced here as if it were 2-D.)"""
+    if attention_mask.dim() != 2:
+        shape = tuple(attention_mask.shape)
+        raise ValueError(f"attention_mask must be 2-D (batch, keys) or 4-D (batch, heads, queries, keys), got shape {shape}")
+    if attention_mask.shape[0] != batch_size:
+        raise ValueError(f"attention_mask has {attention_mask.shape[0]} rows for a batch of {batch_size}")
+
+
+def _check_covers_seen_keys(width: int, *, q_offset, q_length: int, kv_length: int) -> None:
+    """A causal layer's 2-D mask has one column per key seen so far: ``q_offset`` cached plus ``q_length`` new
+    (transformers' contract). A narrower one would be read as a static cache's written keys, with the queries as its
+    last columns: an out-of-bounds gather when it is narrower than the queries, else keys silently dropped. The
+    mask this function returned for a sliding layer comes back (generate with a static cache) exactly
+    ``kv_length`` wide; a static cache's offset is a tensor on the device, and is not read for this (the
+    attention function checks that the queries fit)."""
+    if isinstance(q_offset, torch.Tensor) or width == kv_length:
+        return
+    seen = q_offset + q_length
+    if width < seen:
+        raise ValueError(f"attention_mask has {width} columns, but the keys number {seen} ({q_offset} cached + {q_length} new): "
+                         "a 2-D attention_mask needs one column per key, past and current")  # fmt: skip
 
 
 def _sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask, *, use_vmap, **kwargs):
