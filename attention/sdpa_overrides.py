@@ -273,7 +273,7 @@ def _varlen_kernel(name: str, signature: VarlenSignature, torch_kernel):
     serve, direction = _VARLEN_SERVE[name]
 
     def kernel(*args, **kwargs):
-        call = signature.bind(args, kwargs)
+        call = _loose_maxima_clamped(signature.bind(args, kwargs))
         q, k, v, scale, mask, reason = _varlen_resolve(call)
         if reason is not None:
             count_provider(f"torch_{direction}", reason)
@@ -283,6 +283,20 @@ def _varlen_kernel(name: str, signature: VarlenSignature, torch_kernel):
     # Named for its op: every kernel is otherwise "kernel" in tracebacks and profiles.
     kernel.__name__ = kernel.__qualname__ = f"cudnn_attention_{name.lstrip('_')}"
     return kernel
+
+
+def _loose_maxima_clamped(call: VarlenCall) -> VarlenCall:
+    """``call`` with ``max_q``/``max_k`` no larger than their side's token count. torch's varlen ops, like
+    FlashAttention's, take any upper bound on the documents' lengths and serve a loose one; one past the token
+    count bounds nothing more than the count itself, while the core refuses it as a mistake (it cannot bound
+    a real document), so here it is clamped to keep serving what torch serves."""
+    tokens_q = call.query.shape[0] if isinstance(call.query, torch.Tensor) else None
+    tokens_k = call.key.shape[0] if isinstance(call.key, torch.Tensor) else None
+    loose_q = type(call.max_q) is int and tokens_q is not None and call.max_q > tokens_q
+    loose_k = type(call.max_k) is int and tokens_k is not None and call.max_k > tokens_k
+    if not (loose_q or loose_k):
+        return call
+    return call._replace(max_q=tokens_q if loose_q else call.max_q, max_k=tokens_k if loose_k else call.max_k)
 
 
 def _varlen_resolve(call: VarlenCall):

@@ -211,6 +211,19 @@ def test_each_release_is_served_forward_and_backward(release_kernels, version):
     assert provider_stats["varlen_forward"] == 1 and provider_stats["varlen_backward"] == 1, provider_stats
 
 
+@pytest.mark.parametrize("version", WITH_VARLEN)
+def test_loose_maxima_are_served_as_torch_serves_them(release_kernels, version):
+    # torch's varlen ops take any upper bound on the documents' lengths; the core refuses one past the token count
+    # (it cannot bound a real document), so the provider clamps it to the count instead of failing a torch program.
+    ops, torch_kernels = release_kernels(version)
+    values, left = _call_values(version)
+    values.update(max_q=2**40, max_k=sum(LENGTHS_KV) + 1)
+    out, _lse, _rng = ops._varlen_attn(*_arguments(_compat.op_schema(ops._varlen_attn), values))
+    expected_out, _ = per_document_reference(*(values[name] for name in ("query", "key", "value", "cu_seq_q", "cu_seq_k")), left=left)
+    torch.testing.assert_close(out, expected_out)
+    assert torch_kernels.calls == [] and cudnn_attention.stats()["provider"]["varlen_forward"] == 1
+
+
 @pytest.mark.parametrize("version", [version for version in WITH_VARLEN if "_varlen_attn_out" in RELEASES[version]["schemas"]])
 def test_each_release_out_variant_writes_out(release_kernels, version):
     ops, torch_kernels = release_kernels(version)
