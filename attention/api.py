@@ -98,8 +98,11 @@ def attention(
         seqlens_q, seqlens_kv: (B,) int valid lengths of a right-padded batch, clamped to
             ``[0, S]``. Output rows past a length, and every row of a sequence with no key, are
             zero and get zero gradient; keys past a length are never attended.
-        return_lse: also return the log-sum-exp (B, H_q, S_q) in float32, sink included, ``-inf``
-            for padded or fully masked rows. Not differentiable.
+        return_lse: also return the log-sum-exp (B, H_q, S_q), sink included, ``-inf`` for padded or
+            fully masked rows. Not differentiable. float32, except for float64 inputs: those are computed
+            in float64 throughout on the exact path (sinks of any dtype included, so
+            ``torch.autograd.gradcheck`` holds), and their LSE is float64 too, since rounding it to
+            float32 would discard the precision the call was made in float64 for.
         validate: also check lengths against the shapes on the host. This synchronizes with the
             device, so it is off by default.
 
@@ -185,7 +188,8 @@ def varlen_attention(
     ``T = 0`` give an empty or zero result.
 
     Returns:
-        ``out`` (T_q, H_q, D_v), or ``(out, lse)`` with ``lse`` (T_q, H_q) float32.
+        ``out`` (T_q, H_q, D_v), or ``(out, lse)`` with ``lse`` (T_q, H_q) float32 (float64 for float64
+        inputs, computed in float64 throughout, as in :func:`attention`).
     """
     signature = None
     if not validate:
