@@ -47,7 +47,8 @@ def _dense_inputs(case, *, seed: int):
     v = torch.randn(B, H_kv, S_kv, D, dtype=torch.float64, requires_grad=True)
     sinks = torch.randn(H, dtype=torch.float64, requires_grad=True) if case.get("sinks") else None
     lengths = dict(seqlens_q=torch.tensor([S_q, S_q - 1]), seqlens_kv=torch.tensor([S_kv, S_kv - 2])) if case.get("padded") else {}
-    options = dict(causal=case.get("causal", False), bottom_right=case.get("bottom_right", False), window_size=case.get("window_size", (-1, -1)))
+    options = dict(causal=case.get("causal", False), bottom_right=case.get("bottom_right", False),
+                   window_size=case.get("window_size", (-1, -1)))  # fmt: skip
     return q, k, v, sinks, lengths, options
 
 
@@ -63,7 +64,8 @@ def _varlen_inputs(case, *, seed: int):
     k = torch.randn(int(cu_kv[-1]) + tail, H_kv, D, dtype=torch.float64, requires_grad=True)
     v = torch.randn(int(cu_kv[-1]) + tail, H_kv, D, dtype=torch.float64, requires_grad=True)
     sinks = torch.randn(H, dtype=torch.float64, requires_grad=True) if case.get("sinks") else None
-    options = dict(causal=case.get("causal", False), bottom_right=case.get("bottom_right", False), window_size=case.get("window_size", (-1, -1)))
+    options = dict(causal=case.get("causal", False), bottom_right=case.get("bottom_right", False),
+                   window_size=case.get("window_size", (-1, -1)))  # fmt: skip
     return q, k, v, sinks, (cu_q, cu_kv, max(lengths_q), max(lengths_kv)), options, tail
 
 
@@ -105,12 +107,14 @@ def test_dense_float64_matches_float64_naive(name):
     q, k, v, sinks, lengths, options = _dense_inputs(case, seed=2)
     out = cudnn_attention.attention(q, k, v, scale=0.7, sinks=sinks, **lengths, **options)
     window = options["window_size"]
-    expected = naive_dense(q, k, v, scale=0.7, left=window[0], right=window[1], causal=options["causal"], bottom_right=options["bottom_right"],
-                           sinks=sinks, len_q=lengths.get("seqlens_q"), len_kv=lengths.get("seqlens_kv"))  # fmt: skip
+    expected = naive_dense(q, k, v, scale=0.7, left=window[0], right=window[1], causal=options["causal"],
+                           bottom_right=options["bottom_right"], sinks=sinks, len_q=lengths.get("seqlens_q"),
+                           len_kv=lengths.get("seqlens_kv"))  # fmt: skip
     _assert_close64(out, expected, "out")
     leaves = [t for t in (q, k, v, sinks) if t is not None]
     grad_out = torch.randn_like(out)
-    for what, got, want in zip(("dq", "dk", "dv", "dsinks"), torch.autograd.grad(out, leaves, grad_out), torch.autograd.grad(expected, leaves, grad_out)):
+    grads, expected_grads = torch.autograd.grad(out, leaves, grad_out), torch.autograd.grad(expected, leaves, grad_out)
+    for what, got, want in zip(("dq", "dk", "dv", "dsinks"), grads, expected_grads):
         _assert_close64(got, want, what)
 
 
