@@ -18,7 +18,7 @@ from .cudnn_graphs import memoize, memoized
 from .cudnn_ops import cudnn_forward, resolve_cudnn
 from .layouts import token_major
 from .masking import effective_lengths, is_int_window, make_mask_spec
-from .policy import fallback_output, note_fallback
+from .policy import fallback_in_graph, fallback_output, note_fallback
 from .reference import dense_reference, varlen_reference
 
 __all__ = ["attention", "serve", "varlen_attention"]
@@ -112,6 +112,11 @@ def attention(
     Raises:
         TypeError, ValueError: bad input, before any kernel runs.
         StrictModeError: in strict mode, when cuDNN cannot serve the call.
+
+    Traceable by ``torch.compile(fullgraph=True)`` on every path: the cuDNN ops, and the exact path, whose
+    counting, warning and strict check then run inside the compiled graph each time it runs (see
+    :func:`cudnn_attention.policy.fallback_in_graph`; a refused compiled call raises after computing,
+    before returning). ``validate=True`` reads lengths on the host, which a full graph cannot.
     """
     signature = None if validate else _call_signature(q, k, v, scale, causal, bottom_right, window_size, sinks, return_lse, (seqlens_q, seqlens_kv), ())
     served = None if signature is None else memoized(signature)
@@ -236,7 +241,10 @@ def serve(call: AttentionCall, q, k, v, *, sinks, lengths: Lengths, plan=None, s
         empty, reason = False, None
     if not empty and reason is None:
         return cudnn_forward(plan, call, q, k, v, sinks=None if sinks is None else sinks.to(torch.float32), lengths=lengths)
-    if reason is not None:
+    # While tracing, the bookkeeping goes into the graph (fallback_in_graph): Dynamo cannot run it, and
+    # doing it at trace time would count once per compile and read strict mode only then.
+    compiling = torch.compiler.is_compiling()
+    if reason is not None and not compiling:
         note_fallback("forward", reason, caller_depth=2)  # raises in strict mode, before any work
     if call.packed:
         out, lse = varlen_reference(
@@ -246,5 +254,5 @@ def serve(call: AttentionCall, q, k, v, *, sinks, lengths: Lengths, plan=None, s
     else:
         out, lse = dense_reference(q, k, v, scale=call.scale, mask=call.mask, sinks_H=sinks, seqlens_q_B=lengths.seqlens_q, seqlens_kv_B=lengths.seqlens_kv)
     if reason is not None:
-        out = fallback_output(out, reason, needs_grad=call.needs_grad)
+        out = fallback_in_graph(out, reason) if compiling else fallback_output(out, reason, needs_grad=call.needs_grad)
     return out, lse
