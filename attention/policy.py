@@ -249,14 +249,17 @@ def note_fallback(direction: str, reason: str, *, caller_depth: int = 1) -> None
 
 # A fragment of the namespace cudnn_ops defines its kernels' ops in: this op belongs to the policy, not the kernels.
 _lib = torch.library.Library("cudnn_attention", "FRAGMENT")
-_lib.define("noted_fallback(Tensor out, str direction, str reason) -> Tensor")
+# A CUDA graph would replay the op without its Python, counting nothing and refusing nothing: the tag keeps
+# Inductor's CUDA graphs (mode="reduce-overhead") off it. Public in the torch versions that have it (2.13 does).
+_UNSAFE_IN_CUDA_GRAPHS = tuple(tag for tag in (getattr(torch.Tag, "cudagraph_unsafe", None),) if tag is not None)
+_lib.define("noted_fallback(Tensor out, str direction, str reason) -> Tensor", tags=_UNSAFE_IN_CUDA_GRAPHS)
 
 
 def _noted_fallback(out: torch.Tensor, direction: str, reason: str) -> torch.Tensor:
     # Runs when the compiled graph runs, once per call. A copy, not ``out`` itself: an op may not return
     # an alias of its input, and an op whose result nobody uses would be dropped from the graph. One
     # pass over the output, beside a fallback that computes every query-key score.
-    note_fallback(direction, reason)
+    note_fallback(direction, reason, caller_depth=0)  # the warning points here: the traced caller has no frame left
     return out.clone()
 
 
@@ -289,5 +292,6 @@ def fallback_in_graph(out: torch.Tensor, reason: str) -> torch.Tensor:
 
     Unlike eager, a refused compiled call has computed its output before the op raises (the graph
     orders the op after the math it gates); nothing is returned either way. The warning cannot point
-    at the caller's line: a compiled graph keeps no Python frames of the traced code."""
+    at the caller's line: a compiled graph keeps no Python frames of the traced code. A CUDA graph
+    captured by hand around a compiled call replays no Python at all (see :func:`stats`)."""
     return torch.ops.cudnn_attention.noted_fallback(out, "forward", reason)

@@ -147,6 +147,7 @@ def test_compiled_calls_are_counted_per_call_in_both_directions():
 
 
 def test_compiled_fallback_warns_once():
+    # Once per reason, as in eager, although the graph runs the warning code on every call.
     torch.manual_seed(6)
     q = torch.randn(1, 2, 5, 8)
     compiled = torch.compile(lambda q: cudnn_attention.attention(q, q, q), fullgraph=True, backend=BACKEND)
@@ -230,3 +231,11 @@ def test_compiled_transformers_model_equals_eager(batch):
     assert cudnn_attention.stats()["fallback_backward"] == {"cpu tensors": 2 * layers}
     with cudnn_attention.strict(), pytest.raises(cudnn_attention.StrictModeError, match="cpu tensors"):
         compiled(**inputs)  # the graph compiled above, now run in a strict scope
+
+
+def test_the_bookkeeping_op_stays_out_of_cuda_graphs():
+    # A replayed CUDA graph runs no Python: the op must not be captured, or compiled calls would go uncounted and unrefused.
+    tag = getattr(torch.Tag, "cudagraph_unsafe", None)
+    if tag is None:
+        pytest.skip("this torch has no cudagraph_unsafe tag")
+    assert tag in torch.ops.cudnn_attention.noted_fallback.default.tags
