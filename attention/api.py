@@ -18,7 +18,7 @@ from .cudnn_graphs import memoize, memoized
 from .cudnn_ops import cudnn_forward, resolve_cudnn
 from .layouts import token_major
 from .masking import effective_lengths, is_int_window, make_mask_spec
-from .policy import fallback_outputs, note_fallback
+from .policy import fallback_in_graph, fallback_outputs, note_fallback
 from .reference import dense_reference, varlen_reference
 
 __all__ = ["attention", "serve", "varlen_attention"]
@@ -98,11 +98,12 @@ def attention(
         seqlens_q, seqlens_kv: (B,) int valid lengths of a right-padded batch, clamped to
             ``[0, S]``. Output rows past a length, and every row of a sequence with no key, are
             zero and get zero gradient; keys past a length are never attended.
-        return_lse: also return the log-sum-exp (B, H_q, S_q) in float32, sink included, ``-inf``
-            for padded or fully masked rows. Differentiable, through q, k and the sinks (a loss may
-            use it, e.g. ``out * sigmoid(lse - sink)``); its ``-inf`` rows pass no gradient on. On
-            cuDNN a loss that uses it costs one more launch of the backward kernel; one that does
-            not, nothing.
+        return_lse: also return the log-sum-exp (B, H_q, S_q), sink included, ``-inf`` for padded or
+            fully masked rows. float32, except for float64 inputs: those are computed in float64
+            throughout on the exact path (sinks of any dtype included, so ``torch.autograd.gradcheck``
+            holds), and their LSE is float64 too. Differentiable, through q, k and the sinks (a loss may
+            use it, e.g. ``out * sigmoid(lse - sink)``); its ``-inf`` rows pass no gradient on. On cuDNN
+            a loss that uses it costs one more launch of the backward kernel; one that does not, nothing.
         validate: also check lengths against the shapes on the host. This synchronizes with the
             device, so it is off by default.
 
@@ -112,6 +113,11 @@ def attention(
     Raises:
         TypeError, ValueError: bad input, before any kernel runs.
         StrictModeError: in strict mode, when cuDNN cannot serve the call.
+
+    Traceable by ``torch.compile(fullgraph=True)`` on every path: the cuDNN ops, and the exact path, whose
+    counting, warning and strict check then run inside the compiled graph each time it runs (see
+    :func:`cudnn_attention.policy.fallback_in_graph`; a refused compiled call raises after computing,
+    before returning). ``validate=True`` reads lengths on the host, which a full graph cannot.
     """
     signature = None if validate else _call_signature(q, k, v, scale, causal, bottom_right, window_size, sinks, return_lse, (seqlens_q, seqlens_kv), ())
     served = None if signature is None else memoized(signature)
@@ -188,8 +194,9 @@ def varlen_attention(
     ``T = 0`` give an empty or zero result.
 
     Returns:
-        ``out`` (T_q, H_q, D_v), or ``(out, lse)`` with ``lse`` (T_q, H_q) float32, differentiable as
-        in :func:`attention` (``-inf`` on tokens in no document or in a document without keys).
+        ``out`` (T_q, H_q, D_v), or ``(out, lse)`` with ``lse`` (T_q, H_q) float32 (float64 for float64
+        inputs), differentiable as in :func:`attention` (``-inf`` on tokens in no document or in a document
+        without keys).
     """
     signature = None
     if not validate:
@@ -240,7 +247,10 @@ def serve(call: AttentionCall, q, k, v, *, sinks, lengths: Lengths, plan=None, s
         # any other dtype is converted (both differentiable, both free when the sinks already are so).
         sinks = None if sinks is None else sinks.to(torch.float32).contiguous()
         return cudnn_forward(plan, call, q, k, v, sinks=sinks, lengths=lengths)
-    if reason is not None:
+    # While tracing, the bookkeeping goes into the graph (fallback_in_graph): Dynamo cannot run it, and
+    # doing it at trace time would count once per compile and read strict mode only then.
+    compiling = torch.compiler.is_compiling()
+    if reason is not None and not compiling:
         note_fallback("forward", reason, caller_depth=2)  # raises in strict mode, before any work
     if call.packed:
         out, lse = varlen_reference(
@@ -250,5 +260,8 @@ def serve(call: AttentionCall, q, k, v, *, sinks, lengths: Lengths, plan=None, s
     else:
         out, lse = dense_reference(q, k, v, scale=call.scale, mask=call.mask, sinks_H=sinks, seqlens_q_B=lengths.seqlens_q, seqlens_kv_B=lengths.seqlens_kv)
     if reason is not None:
-        out, lse = fallback_outputs(out, lse, reason, needs_grad=call.needs_grad)
+        if compiling:
+            out = fallback_in_graph(out, reason)
+        else:
+            out, lse = fallback_outputs(out, lse, reason, needs_grad=call.needs_grad)
     return out, lse

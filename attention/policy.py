@@ -3,6 +3,14 @@
 Every call is counted: the cuDNN forward/backward, or the exact PyTorch fallback by reason.
 A fallback warns once per reason; in strict mode it raises instead (``strict()``,
 ``set_strict(True)``, or the environment variable ``CUDNN_ATTENTION_STRICT=1``).
+
+Under ``torch.compile`` none of that Python may run while tracing (Dynamo cannot read a
+``ContextVar``, and a count taken then would be taken once per compile, not per call), so a
+compiled fallback carries it into the graph instead: :func:`fallback_in_graph` passes the output
+through the ``cudnn_attention::noted_fallback`` op, whose kernel does the bookkeeping each time the
+graph runs (and whose backward does it for the backward). Compiled and eager calls are therefore
+counted, warned about and refused alike, with strict mode read when the call runs, not when it was
+compiled.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ __all__ = [
     "count_provider",
     "Counters",
     "env_flag",
+    "fallback_in_graph",
     "fallback_output",
     "fallback_outputs",
     "flat_stats",
@@ -140,7 +149,8 @@ def stats() -> dict:
     ``"torch_forward"``/``"torch_backward"`` ``{reason: n}`` (handed to torch's own kernel).
     ``"graph_builds"`` is ``{"forward": n, "backward": n, "seconds": s}``: cuDNN graphs built (or
     rejected) and the wall time spent on it. Calls replayed from a captured CUDA graph run no Python
-    and are not counted.
+    and are not counted. Calls in a ``torch.compile``'d graph are counted each time the graph runs, as
+    eager ones are: the counting runs in the ops the graph holds (see :func:`fallback_in_graph`).
     """
     with _lock:
         return _counters.as_dict()
@@ -161,7 +171,10 @@ def reset_stats() -> None:
 
 
 def is_strict() -> bool:
-    """Whether fallbacks raise: the innermost :func:`strict` scope, else :func:`set_strict`, else the env var."""
+    """Whether fallbacks raise: the innermost :func:`strict` scope, else :func:`set_strict`, else the env var.
+
+    Not traceable (Dynamo cannot read a ``ContextVar``): compiled calls ask it from inside their graph's
+    ``noted_fallback`` op, each time the graph runs (see :func:`fallback_in_graph`)."""
     scoped = _strict_scope.get()
     if scoped is not None:
         return scoped
@@ -188,7 +201,8 @@ def set_strict(enabled: bool | None) -> bool | None:
 
 @contextlib.contextmanager
 def strict(enabled: bool = True):
-    """Context manager: inside it every fallback from cuDNN raises :class:`StrictModeError`.
+    """Context manager: inside it every fallback from cuDNN raises :class:`StrictModeError`, that of a
+    ``torch.compile``'d call included, whenever it was compiled (the graph reads the setting as it runs).
 
     Example:
         >>> with cudnn_attention.strict():
@@ -255,3 +269,57 @@ def note_fallback(direction: str, reason: str, *, caller_depth: int = 1) -> None
         raise StrictModeError(f"cudnn_attention strict mode: cuDNN cannot serve this call ({reason})")
     message = f"cudnn_attention: running the exact PyTorch path, not cuDNN: {reason}"
     _count_and_warn_once(_counters.fallback[direction], reason, reason, message, stacklevel=2 + caller_depth)
+
+
+# ----------------------------------------------------------------------------------------------
+# The same bookkeeping inside a compiled graph
+# ----------------------------------------------------------------------------------------------
+
+# A fragment of the namespace cudnn_ops defines its kernels' ops in: this op belongs to the policy, not the kernels.
+_lib = torch.library.Library("cudnn_attention", "FRAGMENT")
+# A CUDA graph would replay the op without its Python, counting nothing and refusing nothing: the tag keeps
+# Inductor's CUDA graphs (mode="reduce-overhead") off it. Public in the torch versions that have it (2.13 does).
+_UNSAFE_IN_CUDA_GRAPHS = tuple(tag for tag in (getattr(torch.Tag, "cudagraph_unsafe", None),) if tag is not None)
+_lib.define("noted_fallback(Tensor out, str direction, str reason) -> Tensor", tags=_UNSAFE_IN_CUDA_GRAPHS)
+
+
+def _noted_fallback(out: torch.Tensor, direction: str, reason: str) -> torch.Tensor:
+    # Runs when the compiled graph runs, once per call. A copy, not ``out`` itself: an op may not return
+    # an alias of its input, and an op whose result nobody uses would be dropped from the graph. One
+    # pass over the output, beside a fallback that computes every query-key score.
+    note_fallback(direction, reason, caller_depth=0)  # the warning points here: the traced caller has no frame left
+    return out.clone()
+
+
+_lib.impl("noted_fallback", _noted_fallback, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("cudnn_attention::noted_fallback", lib=_lib)
+def _noted_fallback_fake(out, direction, reason):
+    return torch.empty_like(out)
+
+
+def _noted_setup_context(ctx, inputs, output):
+    ctx.direction, ctx.reason = inputs[1], inputs[2]
+
+
+def _noted_backward(ctx, grad_out):
+    if ctx.direction == "forward":
+        grad_out = torch.ops.cudnn_attention.noted_fallback(grad_out, "backward", ctx.reason)
+    return grad_out, None, None
+
+
+torch.library.register_autograd("cudnn_attention::noted_fallback", _noted_backward, setup_context=_noted_setup_context, lib=_lib)
+
+
+def fallback_in_graph(out: torch.Tensor, reason: str) -> torch.Tensor:
+    """``out``, computed by the fallback while ``torch.compile`` traces, routed through an op that does
+    what :func:`note_fallback` and :func:`fallback_output` do in eager, each time the compiled graph
+    runs: raise in strict mode (as read at that moment), else count the forward and warn once per
+    reason; its backward counts the backward. Traceable with ``fullgraph=True``: Dynamo sees one op.
+
+    Unlike eager, a refused compiled call has computed its output before the op raises (the graph
+    orders the op after the math it gates); nothing is returned either way. The warning cannot point
+    at the caller's line: a compiled graph keeps no Python frames of the traced code. A CUDA graph
+    captured by hand around a compiled call replays no Python at all (see :func:`stats`)."""
+    return torch.ops.cudnn_attention.noted_fallback(out, "forward", reason)

@@ -1,8 +1,14 @@
-"""The exact PyTorch path: fp32 math with the same semantics as the cuDNN path, differentiable (the LSE too).
+"""The exact PyTorch path: fp32 math (float64 for float64 inputs) with the same semantics as the cuDNN
+path, differentiable (the LSE too).
 
-It serves whatever cuDNN cannot (CPU tensors, float32, a configuration the installed cuDNN rejects)
-and is the reference the GPU tests compare against. Fully masked rows give a zero output and
+It serves whatever cuDNN cannot (CPU tensors, float32, float64, a configuration the installed cuDNN
+rejects) and is the reference the GPU tests compare against. Fully masked rows give a zero output and
 ``lse = -inf`` (``lse = sink`` is not used: a padded row is absent, not attending to the sink).
+
+float64 inputs are computed in float64 throughout, sinks included whatever their dtype, and give a
+float64 LSE: rounding them through float32 would return float64 tensors carrying float32 error, and
+``torch.autograd.gradcheck`` (whose finite differences step by 1e-6) would fail, as it does not for
+torch's own math SDPA. Every other dtype is computed in float32 with a float32 LSE.
 
 Legend: B batch, H query heads, G = H // H_kv query heads per KV head, Q/K query/key length,
 D head dim, T packed tokens.
@@ -14,10 +20,20 @@ import torch
 
 from .masking import MaskSpec, visible_keys
 
-__all__ = ["dense_reference", "varlen_reference"]
+__all__ = ["dense_reference", "math_dtype", "varlen_reference"]
 
-# Documents processed together by the packed path: bounds the (chunk, H, S_q, S_kv) fp32 scores.
+# Documents processed together by the packed path: bounds the (chunk, H, S_q, S_kv) scores.
 _VARLEN_SCORE_BUDGET_BYTES = 256 * 2**20
+
+
+def math_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the exact path computes ``dtype`` inputs in: float64 for float64, float32 for the rest."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _lse_dtype(compute_dtype: torch.dtype) -> torch.dtype:
+    # float32 unless the math itself is float64: a float64 LSE of float32 math would claim digits it does not have.
+    return torch.float64 if compute_dtype == torch.float64 else torch.float32
 
 
 def dense_reference(
@@ -30,18 +46,22 @@ def dense_reference(
     sinks_H: torch.Tensor | None = None,
     seqlens_q_B: torch.Tensor | None = None,
     seqlens_kv_B: torch.Tensor | None = None,
-    compute_dtype: torch.dtype = torch.float32,
+    compute_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention over (B, H, S, D) tensors. Returns ``(out in q's dtype, lse (B, H, Q) fp32)``.
+    """Attention over (B, H, S, D) tensors. Returns ``(out in q's dtype, lse (B, H, Q))``.
 
-    ``compute_dtype`` is float32 for the fallback; tests pass the input dtype to measure how far
-    PyTorch's own low-precision math lands from fp32. ``lse`` is differentiable (through q, k and
-    the sinks); its ``-inf`` rows pass no gradient on, whatever gradient reaches them.
+    ``compute_dtype``: None (the fallback) computes in :func:`math_dtype` of q's dtype; tests pass the
+    input dtype to measure how far PyTorch's own low-precision math lands from fp32. ``lse`` is float64
+    when the math is, else float32, and differentiable (through q, k and the sinks); its ``-inf`` rows
+    pass no gradient on, whatever gradient reaches them.
     """
     B, H, Q, D = q_BHQD.shape
     H_kv, K, D_v = k_BHKD.shape[1], k_BHKD.shape[2], v_BHKD.shape[3]
     G = H // H_kv
     device = q_BHQD.device
+    if compute_dtype is None:
+        compute_dtype = math_dtype(q_BHQD.dtype)
+    lse_dtype = _lse_dtype(compute_dtype)
     len_q_B = seqlens_q_B if seqlens_q_B is not None else torch.full((B,), Q, device=device)
     len_kv_B = seqlens_kv_B if seqlens_kv_B is not None else torch.full((B,), K, device=device)
     visible_B11QK = visible_keys(mask, len_q_B, len_kv_B, Q, K).view(B, 1, 1, Q, K)
@@ -72,10 +92,10 @@ def dense_reference(
     # denominator (no visible key, no sink) has lse = -inf: the log reads 1 there, because log'(0) = inf would turn
     # the zero the outer where passes back into NaN (the double-where pattern), which only the scores' masked_fill
     # would stop further down; a NaN denominator (NaN input) stays NaN.
-    denom_BNGQ1 = denom_BNGQ1.float()
+    denom_BNGQ1 = denom_BNGQ1.to(lse_dtype)
     empty_BNGQ1 = denom_BNGQ1 == 0
     log_denom_BNGQ1 = torch.log(torch.where(empty_BNGQ1, torch.ones_like(denom_BNGQ1), denom_BNGQ1))
-    lse_BNGQ = torch.where(empty_BNGQ1, float("-inf"), log_denom_BNGQ1 + row_max.float()).squeeze(-1)
+    lse_BNGQ = torch.where(empty_BNGQ1, float("-inf"), log_denom_BNGQ1 + row_max.to(lse_dtype)).squeeze(-1)
     lse_BNGQ = lse_BNGQ.masked_fill(~row_valid_B11Q, float("-inf"))  # masked_fill passes no gradient to the filled rows
     out_BHQD = out_BNGQD.reshape(B, H, Q, D_v).to(q_BHQD.dtype)
     return out_BHQD, lse_BNGQ.reshape(B, H, Q)
@@ -93,9 +113,10 @@ def varlen_reference(
     scale: float,
     mask: MaskSpec,
     sinks_H: torch.Tensor | None = None,
-    compute_dtype: torch.dtype = torch.float32,
+    compute_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention over packed (T, H, D) documents. Returns ``(out (T, H, D_v), lse (T, H) fp32)``.
+    """Attention over packed (T, H, D) documents. Returns ``(out (T, H, D_v), lse (T, H))``, dtypes and
+    ``compute_dtype`` as in :func:`dense_reference`.
 
     Documents are gathered into padded chunks of at most a few hundred MiB of scores, so memory
     grows with the longest document, never with T x T, and no length is read back to the host.
@@ -105,6 +126,10 @@ def varlen_reference(
     D_v = v_THD.shape[2]
     B = cu_seqlens_q.numel() - 1
     device = q_THD.device
+    if compute_dtype is None:
+        compute_dtype = math_dtype(q_THD.dtype)
+    # Outputs are gathered in float32 at least (float64 for float64 math), then cast to q's dtype once.
+    gather_dtype = _lse_dtype(compute_dtype)
     cu_q = cu_seqlens_q.long()
     cu_kv = cu_seqlens_kv.long()
     len_kv_B = cu_kv[1:] - cu_kv[:-1]
@@ -115,9 +140,9 @@ def varlen_reference(
     # reaches another document through a padding slot's zero weight).
     q_THD, k_THD, v_THD = (torch.cat([t, t.new_zeros(1, *t.shape[1:])]) for t in (q_THD, k_THD, v_THD))
     # One extra row collects the writes of padding slots and is dropped at the end.
-    out_TD = q_THD.new_zeros(T_q + 1, H, D_v, dtype=torch.float32)
-    lse_TH = torch.full((T_q + 1, H), float("-inf"), device=device)
-    per_doc_bytes = 4 * H * max(max_seqlen_q, 1) * (max(max_seqlen_kv, 1) + 1)
+    out_TD = q_THD.new_zeros(T_q + 1, H, D_v, dtype=gather_dtype)
+    lse_TH = torch.full((T_q + 1, H), float("-inf"), device=device, dtype=gather_dtype)
+    per_doc_bytes = torch.finfo(compute_dtype).bits // 8 * H * max(max_seqlen_q, 1) * (max(max_seqlen_kv, 1) + 1)
     chunk = max(1, _VARLEN_SCORE_BUDGET_BYTES // per_doc_bytes)
     pos_q_S = torch.arange(max_seqlen_q, device=device)
     pos_kv_S = torch.arange(max_seqlen_kv, device=device)
@@ -138,6 +163,6 @@ def varlen_reference(
             compute_dtype=compute_dtype,
         )
         scatter_CS = torch.where(valid_q_CS, rows_q_CS, T_q)
-        out_TD = out_TD.index_put((scatter_CS,), o_CHSD.permute(0, 2, 1, 3).float())
+        out_TD = out_TD.index_put((scatter_CS,), o_CHSD.permute(0, 2, 1, 3).to(gather_dtype))
         lse_TH = lse_TH.index_put((scatter_CS,), lse_CHS.permute(0, 2, 1))
     return out_TD[:T_q].to(q_THD.dtype), lse_TH[:T_q]

@@ -204,19 +204,33 @@ def check_prefix_sums(
     device-side assertion that stops the process before any attention kernel reads the bad offsets.
     That check runs once per prefix-sum tensor and version (every layer of a forward shares one),
     and not while compiling or capturing a CUDA graph (validate the batch where it is built, or
-    pass ``validate=True`` once).
+    pass ``validate=True`` once). A compiled graph cannot branch on CPU tensors' values either, so
+    under ``torch.compile`` CPU prefix sums get the same assertion, in the graph, on every call (a
+    ``RuntimeError`` when it runs); ``validate=True`` reads them on the host, which a graph with
+    ``fullgraph=True`` cannot do.
     """
-    if validate or not cu_seqlens_q.is_cuda:
+    compiling = torch.compiler.is_compiling()
+    if validate or not (cu_seqlens_q.is_cuda or compiling):
         validate_cu_seqlens(cu_seqlens_q, names[0], total_q, max_seqlen_q, max_name=names[2], cover_all=cover_all)
         validate_cu_seqlens(cu_seqlens_kv, names[1], total_kv, max_seqlen_kv, max_name=names[3], cover_all=cover_all)
         if cover_all:
             note_every_token_covered(cu_seqlens_q, cu_seqlens_kv, total_q, total_kv)
         return
-    if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
+    if compiling:
+        if not cu_seqlens_q.is_cuda:  # no memo while compiling: checked per call, as eager checks CPU tensors
+            _assert_prefix_sums(cu_seqlens_q, cu_seqlens_kv, total_q, total_kv, max_seqlen_q, max_seqlen_kv, names, cover_all)
+        return
+    if torch.cuda.is_current_stream_capturing():
         return
     key = ("prefix sums checked", total_q, total_kv, max_seqlen_q, max_seqlen_kv, cover_all)
     if tensor_memo.recall(cu_seqlens_q, key, cu_seqlens_kv):
         return
+    _assert_prefix_sums(cu_seqlens_q, cu_seqlens_kv, total_q, total_kv, max_seqlen_q, max_seqlen_kv, names, cover_all)
+    _remember_checked(cu_seqlens_q, cu_seqlens_kv, key)
+
+
+def _assert_prefix_sums(cu_seqlens_q, cu_seqlens_kv, total_q, total_kv, max_seqlen_q, max_seqlen_kv, names, cover_all: bool) -> None:
+    """Queue :func:`check_prefix_sums`' conditions as one device-side assertion (no host read)."""
     ok = None
     for cu, total, max_seqlen in ((cu_seqlens_q, total_q, max_seqlen_q), (cu_seqlens_kv, total_kv, max_seqlen_kv)):
         lengths = cu[1:] - cu[:-1]
@@ -225,7 +239,6 @@ def check_prefix_sums(
         ok = side_ok if ok is None else ok & side_ok
     _compat.assert_on_device(ok, f"cudnn_attention: invalid {names[0]}/{names[1]}: they must start at 0, never decrease, end "
                             f"{'at' if cover_all else 'within'} the token count, and hold no document longer than {names[2]}/{names[3]}")  # fmt: skip
-    _remember_checked(cu_seqlens_q, cu_seqlens_kv, key)
 
 
 def _remember_checked(cu_seqlens_q, cu_seqlens_kv, key: tuple) -> None:

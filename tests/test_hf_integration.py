@@ -376,23 +376,10 @@ def test_greedy_generation_after_right_padding(name, cache_implementation):
         assert_close_rel(a, b, f"{name} step {step} logits")
 
 
-def _traceable_core_attention(q, k, v, *, scale=None, causal=False, bottom_right=False, window_size=(-1, -1), sinks=None,
-                              seqlens_q=None, seqlens_kv=None):  # fmt: skip
-    # The core's CPU path counts its fallback (Python state a graph cannot hold); its math alone traces.
-    from cudnn_attention.masking import make_mask_spec
-    from cudnn_attention.reference import dense_reference
-
-    mask = make_mask_spec(causal=causal, bottom_right=bottom_right, window_size=window_size)
-    return dense_reference(q, k, v, scale=scale, mask=mask, sinks_H=sinks, seqlens_q_B=seqlens_q, seqlens_kv_B=seqlens_kv)[0]
-
-
 @pytest.mark.parametrize("name", ["llama", "mistral"])
-def test_compiled_generation_traces_the_hf_layer(name, monkeypatch):
-    # torch.compile(model.forward, fullgraph=True) under generate with a static cache: the mask function and the HF
-    # layer's gathering must hold no data-dependent branch. (The GPU file runs it with the real core.)
-    from cudnn_attention.integrations.hf import attention_function
-
-    monkeypatch.setattr(attention_function, "attention", _traceable_core_attention)
+def test_compiled_generation_traces_the_hf_layer(name):
+    # torch.compile(model.forward, fullgraph=True) under generate with a static cache: the mask function, the HF
+    # layer's gathering and the core's exact path must hold no data-dependent branch. (The GPU file runs it on cuDNN.)
     torch._dynamo.reset()
     ids = random_ids(2, 6, seed=9)
     mask = torch.ones_like(ids)
@@ -405,17 +392,15 @@ def test_compiled_generation_traces_the_hf_layer(name, monkeypatch):
     assert torch.equal(model.generate(ids, **kwargs), expected)
 
 
-def test_compiled_static_cache_decoding_without_a_mask(monkeypatch):
+def test_compiled_static_cache_decoding_without_a_mask():
     # A compiled forward called directly with a static cache and no mask: the written length is a tensor while
     # tracing, so the mask function hands over transformers' 4-D mask and the exact eager path serves the step.
     from transformers import StaticCache
 
-    from cudnn_attention.integrations.hf import attention_function
-
-    monkeypatch.setattr(attention_function, "attention", _traceable_core_attention)
     torch._dynamo.reset()
     ids = random_ids(1, 5, seed=12)
     model = build("llama", "eager")
+
     with torch.no_grad():
         expected = model(ids).logits
         model.set_attn_implementation("cudnn")
@@ -423,8 +408,14 @@ def test_compiled_static_cache_decoding_without_a_mask(monkeypatch):
         cache = StaticCache(config=model.config, max_cache_len=16)
         # (input_ids, attention_mask, position_ids, cache) by position: 5.24 renamed past_key_values to cache.
         prefill = forward(ids[:, :4], None, None, cache).logits
+        assert cudnn_attention.stats()["fallback_forward"] == {"cpu tensors": 2 * model.config.num_hidden_layers}  # see below
         step = forward(ids[:, 4:], None, None, cache).logits
     assert_close_rel(torch.cat([prefill, step], dim=1), expected, "compiled static-cache logits")
+    # The compiled graphs count what they run, per call, as eager does: the prefill's core calls (two per layer: without
+    # gradients the HF layer computes the last query row on its own too, see _masked) and the step's HF-layer fallback.
+    fallbacks = cudnn_attention.stats()["fallback_forward"]
+    layers = model.config.num_hidden_layers
+    assert fallbacks == {"cpu tensors": 2 * layers, "transformers: a 4-D attention mask (model-specific mask functions)": layers}, fallbacks
 
 
 @pytest.mark.parametrize("name", MODELS)

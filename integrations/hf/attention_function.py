@@ -24,7 +24,7 @@ import torch
 
 from ... import tensor_memo, validation
 from ...api import _needs_grad, attention, varlen_attention
-from ...policy import fallback_output, note_fallback
+from ...policy import fallback_in_graph, fallback_output, note_fallback
 from .eager_fallback import eager_equivalent, keep_mask_4d
 from .mask_function import check_padding_mask, is_tracing, pad_keys, query_positions
 
@@ -295,8 +295,11 @@ def _packing_from_position_ids(position_ids, batch: int, q_len: int, kv_len: int
 
 def _eager(module, query, key, value, attention_mask, reason, *, is_causal, sliding_window, scaling, dropout, softcap, **kwargs):
     """Count, warn once (or raise in strict mode), then run the model's eager attention on a mask
-    that carries everything the fast path would have applied. While tracing nothing is counted
-    (a Python side effect a compiled graph would not replay; strict mode cannot refuse it either)."""
+    that carries everything the fast path would have applied. Under ``torch.compile`` the graph does
+    that bookkeeping each time it runs (:func:`~cudnn_attention.policy.fallback_in_graph`); under
+    TorchScript or fx tracing nothing is counted (a Python side effect their graphs would not replay;
+    strict mode cannot refuse it either)."""
+    compiling = torch.compiler.is_compiling()
     if not is_tracing():
         note_fallback("forward", f"transformers: {reason}")
     B, _, q_len, _ = query.shape
@@ -318,6 +321,8 @@ def _eager(module, query, key, value, attention_mask, reason, *, is_causal, slid
         kwargs["softcap"] = softcap
     needs_grad = _needs_grad(query, key, value, kwargs.get("s_aux"))
     out, weights = eager_equivalent(module, query, key, value, keep_4d, scaling=scaling, dropout=dropout, **kwargs)
+    if compiling:
+        return fallback_in_graph(out, f"transformers: {reason}"), weights
     if is_tracing():
         return out, weights
     return fallback_output(out, f"transformers: {reason}", needs_grad=needs_grad), weights
