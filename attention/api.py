@@ -19,7 +19,7 @@ from .cudnn_ops import cudnn_forward, resolve_cudnn
 from .layouts import token_major
 from .masking import effective_lengths, is_int_window, make_mask_spec
 from .policy import fallback_in_graph, fallback_outputs, note_fallback
-from .reference import dense_reference, varlen_reference
+from .reference import exact_attention
 
 __all__ = ["attention", "serve", "varlen_attention"]
 
@@ -252,13 +252,7 @@ def serve(call: AttentionCall, q, k, v, *, sinks, lengths: Lengths, plan=None, s
     compiling = torch.compiler.is_compiling()
     if reason is not None and not compiling:
         note_fallback("forward", reason, caller_depth=2)  # raises in strict mode, before any work
-    if call.packed:
-        out, lse = varlen_reference(
-            q, k, v, lengths.cu_seqlens_q, lengths.cu_seqlens_kv, call.max_seqlen_q, call.max_seqlen_kv, scale=call.scale, mask=call.mask,
-            sinks_H=sinks,
-        )  # fmt: skip
-    else:
-        out, lse = dense_reference(q, k, v, scale=call.scale, mask=call.mask, sinks_H=sinks, seqlens_q_B=lengths.seqlens_q, seqlens_kv_B=lengths.seqlens_kv)
+    out, lse = exact_attention(call, q, k, v, sinks=sinks, lengths=lengths)
     if reason is not None:
         if compiling:
             out = fallback_in_graph(out, reason)

@@ -35,7 +35,8 @@ from .cudnn_graphs import CompiledGraph, GraphRejected, GraphSpec, execute, fron
 from .fused_sinks import fold_sinks, sink_gradient
 from .layouts import MIN_SEQ_BUCKET, allocate_backward_outputs, allocate_forward_outputs, like_layout_strides, packed_bounds, shape_bucket, thd_descriptor_strides
 from .masking import MaskSpec
-from .policy import count_cudnn
+from .policy import count_cudnn, note_fallback
+from .reference import exact_attention
 
 __all__ = ["Plan", "SINK_FORWARD", "cudnn_forward", "fold_sinks", "resolve_cudnn"]
 
@@ -124,7 +125,8 @@ def resolve_cudnn(q, k, v, call: AttentionCall) -> tuple[Plan | None, str | None
     One predicate for both directions: when gradients will be needed the backward graph must
     build too, so a call never starts on cuDNN and finishes elsewhere. Under ``torch.compile``
     graphs cannot be built while tracing, so the answer is ``(None, None)`` and a configuration
-    cuDNN rejects raises from inside the op, with the reason, at run time. A plan is kept for the
+    cuDNN rejects takes the exact path inside the op at run time (:func:`_exact_forward`), counted and warned
+    about there. A plan is kept for the
     call value and the tensors' geometry (see :func:`cudnn_attention.cudnn_graphs.memoize`).
     """
     if not q.is_cuda:
@@ -426,8 +428,45 @@ def _forward_cuda(q, k, v, sinks, seqlens_q, seqlens_kv, cu_seqlens_q, cu_seqlen
     call = _op_call(sinks, seqlens_q, cu_seqlens_q, max_seqlen_q, max_seqlen_kv, scale, window_left, window_right, bottom_right,
                     need_lse, False)  # fmt: skip
     lengths = Lengths(seqlens_q, seqlens_kv, cu_seqlens_q, cu_seqlens_kv)
-    out, lse = _run_forward(_plan(q, k, v, call, False), q, k, v, sinks, lengths, need_lse)
+    try:
+        plan = _plan(q, k, v, call, False)
+    except GraphRejected as rejected:
+        return _exact_forward(call, q, k, v, sinks, lengths, str(rejected))
+    out, lse = _run_forward(plan, q, k, v, sinks, lengths, need_lse)
     return out, lse if lse is not None else _empty_float32(q)
+
+
+# Inside the ops a configuration cuDNN rejects takes the exact path itself: under torch.compile no plan is resolved
+# while tracing (resolve_cudnn answers (None, None)), so the op is all the compiled graph has. Counted, warned about
+# and refused in strict mode like an eager fallback, each time the op runs; outputs in the layouts the fake kernels
+# promised the compiled graph.
+
+
+def _exact_forward(call: AttentionCall, q, k, v, sinks, lengths: Lengths, reason: str):
+    note_fallback("forward", reason, caller_depth=0)
+    exact_out, exact_lse = exact_attention(call, q, k, v, sinks=sinks, lengths=lengths)
+    out, lse = allocate_forward_outputs(q, v, packed=call.packed, need_lse=call.need_lse)
+    out.copy_(exact_out)
+    if lse is None:
+        return out, _empty_float32(q)
+    return out, lse.copy_(exact_lse)
+
+
+def _exact_backward(call: AttentionCall, grad_out, grad_lse, q, k, v, sinks, lengths: Lengths, reason: str):
+    note_fallback("backward", reason, caller_depth=0)
+    with torch.enable_grad():
+        leaves = [t.detach().requires_grad_() for t in (q, k, v) + (() if sinks is None else (sinks,))]
+        out, lse = exact_attention(call, *leaves[:3], sinks=None if sinks is None else leaves[3], lengths=lengths)
+        used = [(output, grad) for output, grad in ((out, grad_out), (lse, grad_lse)) if grad is not None]
+        grads = torch.autograd.grad([output for output, _ in used], leaves, [grad for _, grad in used], allow_unused=True)
+    dq, dk, dv = allocate_backward_outputs(q, k, v, packed=call.packed, padded=call.padded)
+    for into, grad in zip((dq, dk, dv), grads):
+        if grad is None:  # a loss over the LSE alone does not reach V
+            into.zero_()
+        else:
+            into.copy_(grad)
+    dsinks = None if sinks is None else (grads[3] if grads[3] is not None else torch.zeros_like(sinks))
+    return dq, dk, dv, dsinks if dsinks is not None else _empty_float32(q)
 
 
 def _empty_float32(q):
@@ -442,8 +481,11 @@ def _backward_cuda(grad_out, q, k, v, out, lse, grad_lse, sinks, seqlens_q, seql
                     True, True)  # fmt: skip
     # The op saved its inputs as given: the forward ran on aligned copies of any that were not.
     q, k, v, out = _aligned(q, "q"), _aligned(k, "k"), _aligned(v, "v"), _aligned(out, "out")
-    graph = _graph_for("backward", q, k, v, call, deterministic)
     lengths = Lengths(seqlens_q, seqlens_kv, cu_seqlens_q, cu_seqlens_kv)
+    try:
+        graph = _graph_for("backward", q, k, v, call, deterministic)
+    except GraphRejected as rejected:
+        return _exact_backward(call, grad_out, grad_lse, q, k, v, sinks, lengths, str(rejected))
     dq, dk, dv, dsinks = _run_backward(graph, grad_out, q, k, v, out, lse, sinks, lengths, grad_lse)
     return dq, dk, dv, dsinks if dsinks is not None else _empty_float32(q)
 

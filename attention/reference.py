@@ -20,7 +20,7 @@ import torch
 
 from .masking import MaskSpec, visible_keys
 
-__all__ = ["dense_reference", "math_dtype", "varlen_reference"]
+__all__ = ["dense_reference", "exact_attention", "math_dtype", "varlen_reference"]
 
 # Documents processed together by the packed path: bounds the (chunk, H, S_q, S_kv) scores.
 _VARLEN_SCORE_BUDGET_BYTES = 256 * 2**20
@@ -166,3 +166,14 @@ def varlen_reference(
         out_TD = out_TD.index_put((scatter_CS,), o_CHSD.permute(0, 2, 1, 3).to(gather_dtype))
         lse_TH = lse_TH.index_put((scatter_CS,), lse_CHS.permute(0, 2, 1))
     return out_TD[:T_q].to(q_THD.dtype), lse_TH[:T_q]
+
+
+def exact_attention(call, q, k, v, *, sinks, lengths) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` of a prepared call (a :class:`~cudnn_attention.call.AttentionCall` and its
+    :class:`~cudnn_attention.call.Lengths`) on this exact path: the one entry of every fallback, the eager
+    one and the one inside the ops (a configuration cuDNN rejects under ``torch.compile``)."""
+    if call.packed:
+        return varlen_reference(q, k, v, lengths.cu_seqlens_q, lengths.cu_seqlens_kv, call.max_seqlen_q, call.max_seqlen_kv,
+                                scale=call.scale, mask=call.mask, sinks_H=sinks)  # fmt: skip
+    return dense_reference(q, k, v, scale=call.scale, mask=call.mask, sinks_H=sinks, seqlens_q_B=lengths.seqlens_q,
+                           seqlens_kv_B=lengths.seqlens_kv)  # fmt: skip
