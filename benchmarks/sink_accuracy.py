@@ -11,7 +11,9 @@ concatenated, a bf16 softmax, a bf16 P @ V), per document when packed. FlashAtte
 
 Implementations: ``cudnn fold`` (the sink-less cuDNN kernel, then the fused fold: the default for packed calls),
 ``cudnn engine`` (cuDNN's sink engine: the default for dense calls), ``flash_attention_4`` (``flash_attn.cute``,
-learnable-sink backward), and the bf16 eager yardstick. ``--time`` adds forward+backward milliseconds (median of 30).
+learnable-sink backward), and the bf16 eager yardstick. ``--time`` adds forward+backward milliseconds (median of 30,
+host time included: at 2,048 tokens these calls are launch-bound, so it is no kernel comparison;
+``attention_kernels.py`` is).
 """
 
 from __future__ import annotations
@@ -118,7 +120,8 @@ def _eager_bshd(q, k, v, sinks, window, dtype):
 
 def run_eager(layout, window, q, k, v, sinks, grad, dtype=torch.bfloat16):
     if layout == "packed":
-        pieces = [_eager_bshd(q[a:b][None], k[a:b][None], v[a:b][None], sinks, window, dtype)[0] for a, b in itertools.pairwise([0, *itertools.accumulate(DOCS)])]
+        bounds = itertools.pairwise([0, *itertools.accumulate(DOCS)])
+        pieces = [_eager_bshd(q[a:b][None], k[a:b][None], v[a:b][None], sinks, window, dtype)[0] for a, b in bounds]
         out = torch.cat(pieces)
     else:
         out = _eager_bshd(q, k, v, sinks, window, dtype)
@@ -193,12 +196,14 @@ def main(argv=None):
             rows.append(row)
             print(json.dumps(row), flush=True)
     lines = [f"# Sink accuracy at gpt-oss's attention shape ({versions})", "",
-             f"max |error| against float64 over {args.seeds} seeds; x eager = a multiple of transformers' gpt-oss eager attention in bf16", "",
+             f"max |error| against float64 over {args.seeds} seeds; x eager = a multiple of transformers' gpt-oss eager attention"
+             " in bf16", "",
              "| layout | mask | implementation | out | out x eager | dSink | dSink x eager |" + (" fwd+bwd ms |" if args.time else ""),
              "|---|---|---|---|---|---|---|" + ("---|" if args.time else "")]  # fmt: skip
     for r in rows:
         timing = f" {r['fwd+bwd ms']:.3f} |" if "fwd+bwd ms" in r else (" |" if args.time else "")
-        lines.append(f"| {r['layout']} | {r['mask']} | {r['implementation']} | {r['out']:.4g} | {r['out x eager']:.2f} | {r['dsinks']:.4g} | "
+        lines.append(f"| {r['layout']} | {r['mask']} | {r['implementation']} | {r['out']:.4g} | {r['out x eager']:.2f} | "
+                     f"{r['dsinks']:.4g} | "
                      f"{r['dsinks x eager']:.2f} |{timing}")  # fmt: skip
     if fa4 is None:
         lines += ["", "flash_attention_4: not installed here (flash_attn.cute did not import)."]

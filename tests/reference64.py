@@ -362,13 +362,19 @@ def evaluate_call(api: str, args: tuple, kwargs: dict, *, grads: bool = True, fl
     compared += names if wants_grads else []
     checks = []
     for name in compared:
-        want = ref[name] if ref[name] is not None else torch.zeros(got[name].shape if got[name] is not None else (), dtype=torch.float64)
+        # A reference gradient of None is zero (a loss over the LSE alone does not reach V), on the result's device.
+        device = got[name].device if got[name] is not None else "cpu"
+        want = ref[name] if ref[name] is not None else torch.zeros(got[name].shape if got[name] is not None else (), dtype=torch.float64,
+                                                                   device=device)
         base = lowp[name] if lowp[name] is not None else torch.zeros_like(want)
         magnitude = grad_out.abs().max().item() if name.startswith("d") and grad_out.numel() else 0.0
         if name.startswith("d") and grad_lse is not None and grad_lse.numel():
             magnitude = max(magnitude, grad_lse.abs().max().item())
         flash = flash_style_dsinks(ref["out"], ref["lse"], grad_out, sinks, low, grad_lse) if name == "dsinks" else None
-        implied = implied_dsinks_error(got["out"], ref["out"], ref["lse"], grad_out, sinks) if name == "dsinks" else implied_qk.get(name, 0.0)
+        if name == "dsinks":
+            implied = implied_dsinks_error(got["out"], ref["out"], ref["lse"], grad_out, sinks)
+        else:
+            implied = implied_qk.get(name, 0.0)
         checks.append(compare_tensors(name, got[name], want, base, floor_rel=floor_rel, magnitude=magnitude, flash=flash, implied=implied))
     # Structurally zero rows must be exactly zero: rows that see no key (out, dq), keys no row sees (dk, dv).
     row_dim = 0 if api != "dense" else 2

@@ -156,7 +156,8 @@ def _attention_function_call(mask, q_len=11, kv_len=11):
     torch.manual_seed(0)
     query = torch.randn(2, q_len, 4, 64, device=DEVICE, dtype=torch.bfloat16).transpose(1, 2)
     key, value = (torch.randn(2, kv_len, 2, 64, device=DEVICE, dtype=torch.bfloat16).transpose(1, 2) for _ in range(2))
-    return lambda: cudnn_attention_forward(types.SimpleNamespace(is_causal=True), query, key, value, mask.to(DEVICE), scaling=None)
+    mask = mask.to(DEVICE)  # here, not inside host_only: a copy from pageable host memory synchronizes by itself
+    return lambda: cudnn_attention_forward(types.SimpleNamespace(is_causal=True), query, key, value, mask, scaling=None)
 
 
 def _padded(rows, width):
@@ -193,16 +194,16 @@ def _dense(B=2, H=4, H_kv=2, S=16, D=64):
 
 
 CORE_CALLS = [
-    ("cu_seqlens on the host", lambda q, k, v, cu: cudnn_attention.varlen_attention(q, k, v, cu.cpu(), cu, 13, 13), ValueError,
+    ("cu_seqlens on the host", lambda q, k, v, cu, cu_host: cudnn_attention.varlen_attention(q, k, v, cu_host, cu, 13, 13), ValueError,
      r"cu_seqlens_q must be on cuda:0 like q, got cpu"),
-    ("cu_seqlens int16", lambda q, k, v, cu: cudnn_attention.varlen_attention(q, k, v, cu, cu.to(torch.int16), 13, 13), TypeError,
+    ("cu_seqlens int16", lambda q, k, v, cu, cu_host: cudnn_attention.varlen_attention(q, k, v, cu, cu.to(torch.int16), 13, 13), TypeError,
      r"cu_seqlens_kv must be int32 or int64, got torch.int16"),
-    ("document counts differ", lambda q, k, v, cu: cudnn_attention.varlen_attention(q, k, v, cu, cu[::2].contiguous(), 13, 13),
+    ("document counts differ", lambda q, k, v, cu, cu_host: cudnn_attention.varlen_attention(q, k, v, cu, cu[::2].contiguous(), 13, 13),
      ValueError, r"cu_seqlens_q and cu_seqlens_kv describe different batch sizes: 2 and 1"),
-    ("sinks of the wrong length", lambda q, k, v, cu: cudnn_attention.varlen_attention(q, k, v, cu, cu, 13, 13,
+    ("sinks of the wrong length", lambda q, k, v, cu, cu_host: cudnn_attention.varlen_attention(q, k, v, cu, cu, 13, 13,
                                                                                       sinks=torch.zeros(3, device=DEVICE)),
      ValueError, r"sinks must have shape \(4,\).*got \(3,\)"),
-    ("seqlens of the wrong length", lambda q, k, v, cu: cudnn_attention.attention(*_dense(), seqlens_q=cu), ValueError,
+    ("seqlens of the wrong length", lambda q, k, v, cu, cu_host: cudnn_attention.attention(*_dense(), seqlens_q=cu), ValueError,
      r"seqlens_q must have shape \(2,\).*got \(3,\)"),
 ]
 
@@ -210,8 +211,9 @@ CORE_CALLS = [
 @pytest.mark.parametrize("what, call, error, message", CORE_CALLS, ids=[c[0] for c in CORE_CALLS])
 def test_core_metadata_that_contradicts_the_tensors_is_refused_on_the_host(what, call, error, message):
     q, k, v, cu = _packed()
+    cu_host = cu.cpu()  # before host_only: the copy itself synchronizes, the check under test must not
     with host_only(), pytest.raises(error, match=message):
-        call(q, k, v, cu)
+        call(q, k, v, cu, cu_host)
 
 
 @pytest.mark.parametrize("packed", [False, True])
