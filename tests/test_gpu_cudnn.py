@@ -13,6 +13,7 @@ import cudnn_attention
 from cudnn_attention.masking import make_mask_spec
 from cudnn_attention.reference import dense_reference, varlen_reference
 from tolerances import assert_within_lowp_noise
+from sync_debug import warm_and_run
 
 pytestmark = pytest.mark.gpu
 DEVICE = "cuda"
@@ -244,15 +245,6 @@ def test_prefix_sums_rewritten_in_place_are_read_anew(monkeypatch, sink_forward)
     assert out[100:300].abs().max() == 0 and out[508:].abs().max() == 0
 
 
-def _warm_and_run(fn):
-    fn()  # builds graphs (a one-time host cost that may synchronize)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        return fn()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-
 
 def test_no_host_sync_dense_and_packed():
     q, k, v, sinks = _dense_case("causal", 4, 128, torch.bfloat16, sinks=True)
@@ -266,8 +258,8 @@ def test_no_host_sync_dense_and_packed():
     def packed_step():
         cudnn_attention.varlen_attention(pq, pk, pv, cu_q, cu_kv, mq, mk, causal=True, window_size=(32, 0), sinks=ps).sum().backward()
 
-    _warm_and_run(dense_step)
-    _warm_and_run(packed_step)
+    warm_and_run(dense_step)
+    warm_and_run(packed_step)
     stats = cudnn_attention.stats()
     assert stats["cudnn_forward"] == 4 and stats["cudnn_backward"] == 4 and not stats["fallback_forward"]
 

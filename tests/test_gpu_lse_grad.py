@@ -12,6 +12,7 @@ import itertools
 import pytest
 import torch
 from reference64 import compare_tensors, evaluate_call, reference_attention
+from sync_debug import warm_and_run
 
 import cudnn_attention
 from cudnn_attention import cudnn_ops
@@ -202,15 +203,6 @@ def test_nan_gradient_on_rows_without_a_softmax_stops_there(api):
         assert torch.isfinite(g).all() and torch.equal(g, w)
 
 
-def _warm_and_run(fn):
-    fn()  # builds graphs (a one-time host cost that may synchronize)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        return fn()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-
 
 def test_lse_gradient_does_not_synchronize():
     (q, k, v), dense_kwargs = _dense_args(DENSE["padded_sinks_bottom_right"], torch.bfloat16)
@@ -224,8 +216,8 @@ def test_lse_gradient_does_not_synchronize():
         _, lse = cudnn_attention.varlen_attention(*packed_args, **packed_kwargs)
         lse.sum().backward()  # an expanded (stride 0) gradient, -inf rows included
 
-    _warm_and_run(dense_step)
-    _warm_and_run(packed_lse_only_step)
+    warm_and_run(dense_step)
+    warm_and_run(packed_lse_only_step)
     assert cudnn_attention.stats()["cudnn_backward"] == 4
 
 
