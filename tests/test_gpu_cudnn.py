@@ -245,7 +245,6 @@ def test_prefix_sums_rewritten_in_place_are_read_anew(monkeypatch, sink_forward)
     assert out[100:300].abs().max() == 0 and out[508:].abs().max() == 0
 
 
-
 def test_no_host_sync_dense_and_packed():
     q, k, v, sinks = _dense_case("causal", 4, 128, torch.bfloat16, sinks=True)
     seqlens = torch.tensor([203, 100], device=DEVICE, dtype=torch.int32)

@@ -203,7 +203,6 @@ def test_nan_gradient_on_rows_without_a_softmax_stops_there(api):
         assert torch.isfinite(g).all() and torch.equal(g, w)
 
 
-
 def test_lse_gradient_does_not_synchronize():
     (q, k, v), dense_kwargs = _dense_args(DENSE["padded_sinks_bottom_right"], torch.bfloat16)
     packed_args, packed_kwargs = _packed_args(PACKED["sinks_empty_documents_tail"], torch.bfloat16)
