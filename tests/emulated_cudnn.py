@@ -75,7 +75,10 @@ def emulated(monkeypatch, *, op: bool = False):
 
     monkeypatch.setattr(cudnn_ops, "execute", execute)
     # As the real resolve_cudnn: no plan while torch.compile traces (the op is what the graph gets).
-    monkeypatch.setattr(api, "resolve_cudnn", lambda q, k, v, call: (None, None) if torch.compiler.is_compiling() else (plan_for(call), None))
+    def resolve(q, k, v, call):
+        return (None, None) if torch.compiler.is_compiling() else (plan_for(call), None)
+
+    monkeypatch.setattr(api, "resolve_cudnn", resolve)
     if not op:
         yield launches
         return
