@@ -115,10 +115,13 @@ def _launch_sink_gradient(grad_out, out, lse, sinks):
 
 if triton is not None:
     # Every per-row value is a (BLOCK_R, 1) tensor in the tile's own layout, never a 1-D vector broadcast against
-    # the (BLOCK_R, BLOCK_D) tile afterwards: Triton 3.6 (torch 2.11's) compiles that broadcast of a loaded 1-D
-    # vector into a layout conversion that scales some rows by another row's factor, a few rows per launch at
-    # random (on an H200: 1,003 of 306,304 rows over 30 folds at D 192, max error 1.8; D 64 two rows), and
-    # results that differ from launch to launch. Redundant stores of a (BLOCK_R, 1) value write the same bits.
+    # the (BLOCK_R, BLOCK_D) tile afterwards, and the fold writes the LSE back after O. The earlier kernels (a
+    # loaded 1-D vector broadcast into the tile, the LSE stored in place before O was read) compiled with Triton
+    # 3.6 (torch 2.11's) into code that scaled a few random rows per launch by another row's factor (on an H200:
+    # 1,003 of 306,304 rows over 30 folds at D 192, max error 1.8; at D 64 two rows), with results that differed
+    # from launch to launch. Both changes were made together, so which one the compiler mishandled is not known;
+    # the layout one is the likelier (its broadcast goes through a shared-memory layout conversion).
+    # Redundant stores of a (BLOCK_R, 1) value write the same bits.
 
     @triton.jit
     def _fold_kernel(out_ptr, lse_ptr, sinks_ptr, absent_ptr, rows, H, C, sa, sh, sc, D,
