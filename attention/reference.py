@@ -27,13 +27,10 @@ _VARLEN_SCORE_BUDGET_BYTES = 256 * 2**20
 
 
 def math_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype the exact path computes ``dtype`` inputs in: float64 for float64, float32 for the rest."""
+    """The dtype the exact path computes ``dtype`` inputs in: float64 for float64, float32 for the rest. Applied to
+    the math's own dtype it also gives the LSE's and the gathered outputs' (float32 at least; float64 only for
+    float64 math, since a float64 LSE of float32 math would claim digits it does not have)."""
     return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def _lse_dtype(compute_dtype: torch.dtype) -> torch.dtype:
-    # float32 unless the math itself is float64: a float64 LSE of float32 math would claim digits it does not have.
-    return torch.float64 if compute_dtype == torch.float64 else torch.float32
 
 
 def dense_reference(
@@ -61,7 +58,7 @@ def dense_reference(
     device = q_BHQD.device
     if compute_dtype is None:
         compute_dtype = math_dtype(q_BHQD.dtype)
-    lse_dtype = _lse_dtype(compute_dtype)
+    lse_dtype = math_dtype(compute_dtype)
     len_q_B = seqlens_q_B if seqlens_q_B is not None else torch.full((B,), Q, device=device)
     len_kv_B = seqlens_kv_B if seqlens_kv_B is not None else torch.full((B,), K, device=device)
     visible_B11QK = visible_keys(mask, len_q_B, len_kv_B, Q, K).view(B, 1, 1, Q, K)
@@ -129,7 +126,7 @@ def varlen_reference(
     if compute_dtype is None:
         compute_dtype = math_dtype(q_THD.dtype)
     # Outputs are gathered in float32 at least (float64 for float64 math), then cast to q's dtype once.
-    gather_dtype = _lse_dtype(compute_dtype)
+    gather_dtype = math_dtype(compute_dtype)
     cu_q = cu_seqlens_q.long()
     cu_kv = cu_seqlens_kv.long()
     len_kv_B = cu_kv[1:] - cu_kv[:-1]
