@@ -3,8 +3,8 @@
 Each call is served by cuDNN when it can be, else by the exact PyTorch path, which is counted in
 :func:`cudnn_attention.stats`, warned about once per reason, and refused in strict mode.
 
-A call cuDNN served is remembered by its arguments' signature (:func:`_call_signature`): the next
-call with the same shapes, strides, dtypes, devices and options was validated already and resolves
+A call cuDNN served is remembered by its arguments' key (:func:`cudnn_attention.call.served_key`): the
+next call with the same shapes, strides, dtypes, devices and options was validated already and resolves
 to the same plan, so it goes straight to the kernels.
 """
 
@@ -12,58 +12,15 @@ from __future__ import annotations
 
 import torch
 
-from . import cudnn_ops, validation
-from .call import NO_LENGTHS, AttentionCall, Lengths
+from . import plan as plans
+from . import validation
+from .call import NO_LENGTHS, Prepared, argument_options, packed_lengths, padding_lengths, prepare_dense, prepare_packed, served_key
 from .cudnn_graphs import memoize, memoized
-from .cudnn_ops import cudnn_forward, resolve_cudnn
-from .layouts import token_major
-from .masking import effective_lengths, is_int_window, make_mask_spec
+from .cudnn_ops import cudnn_forward
 from .policy import fallback_in_graph, fallback_outputs, note_fallback
 from .reference import exact_attention
 
 __all__ = ["attention", "serve", "varlen_attention"]
-
-
-def _needs_grad(q, k, v, sinks) -> bool:
-    # Plain boolean logic rather than any(generator): this runs on every call.
-    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or (sinks is not None and sinks.requires_grad))
-
-
-def _call_signature(q, k, v, scale, causal, bottom_right, window_size, sinks, return_lse, index_tensors, ints):
-    """A key two calls share only when validation treats them alike and they resolve to the same plan:
-    q/k/v's shapes, strides, dtypes and devices, the options, the index tensors' shapes, dtypes and
-    devices (``index_tensors``; their values are read per call), ``ints`` (the packed maxima), whether
-    gradients are needed, the determinism setting and the sink-forward choice. None (validate every
-    time) for tensor subclasses, options of other types than the documented ones (``True == 1`` and
-    ``1.0 == 1`` as keys, but validation tells them apart) and while tracing."""
-    if type(q) is not torch.Tensor or type(k) is not torch.Tensor or type(v) is not torch.Tensor:
-        return None
-    if not (scale is None or type(scale) is float) or type(causal) is not bool or type(bottom_right) is not bool:
-        return None
-    if not is_int_window(window_size):
-        return None
-    if sinks is not None and not isinstance(sinks, torch.Tensor):
-        return None
-    index_key = []
-    for t in index_tensors:
-        if t is None:
-            index_key.append(None)
-        elif isinstance(t, torch.Tensor):
-            index_key.append((t.shape, t.dtype, t.device))
-        else:
-            return None
-    for n in ints:
-        if type(n) is not int:
-            return None
-    if torch.compiler.is_compiling():
-        return None
-    return (
-        q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, k.device, v.shape, v.stride(), v.dtype, v.device,
-        scale, causal, bottom_right, window_size, bool(return_lse), _needs_grad(q, k, v, sinks),
-        None if sinks is None else (sinks.shape, sinks.dtype, sinks.device),
-        tuple(index_key), ints,
-        torch.are_deterministic_algorithms_enabled(), cudnn_ops.SINK_FORWARD,
-    )  # fmt: skip
 
 
 def attention(
@@ -119,45 +76,23 @@ def attention(
     :func:`cudnn_attention.policy.fallback_in_graph`; a refused compiled call raises after computing,
     before returning). ``validate=True`` reads lengths on the host, which a full graph cannot.
     """
-    signature = None if validate else _call_signature(q, k, v, scale, causal, bottom_right, window_size, sinks, return_lse, (seqlens_q, seqlens_kv), ())
-    served = None if signature is None else memoized(signature)
+    key = None
+    if not validate:
+        options = argument_options(q, k, v, scale, causal, bottom_right, window_size, sinks, return_lse, (seqlens_q, seqlens_kv), (),
+                                   plans.sink_forward())
+        key = None if options is None else served_key(options, q, k, v)
+    served = None if key is None else memoized(key)
     if served is not None:
-        call, plan = served
-        lengths = _padding_lengths(seqlens_q, seqlens_kv, q.shape[0], q.shape[2], k.shape[2], q.device) if call.padded else NO_LENGTHS
-        out, lse = serve(call, q, k, v, sinks=sinks, lengths=lengths, plan=plan)
-        return (out, lse) if return_lse else out
-    given = (q, k, v)
-    q, k, v = validation.check_qkv(q, k, v, packed=False)
-    mask = make_mask_spec(causal=causal, bottom_right=bottom_right, window_size=window_size)
-    q, scale = validation.positive_scale(q, validation.resolve_scale(scale, q.shape[-1]))
-    sinks = validation.check_sinks(sinks, q, q.shape[1])
-    B, S_q, S_kv = q.shape[0], q.shape[2], k.shape[2]
-    seqlens_q = validation.check_seqlens(seqlens_q, "seqlens_q", B, q.device)
-    seqlens_kv = validation.check_seqlens(seqlens_kv, "seqlens_kv", B, q.device)
-    if validate:
-        for name, lengths, limit in (("seqlens_q", seqlens_q, S_q), ("seqlens_kv", seqlens_kv, S_kv)):
-            if lengths is not None:
-                validation.validate_seqlens(lengths, name, limit)
-    padded = seqlens_q is not None or seqlens_kv is not None
-    lengths = _padding_lengths(seqlens_q, seqlens_kv, B, S_q, S_kv, q.device) if padded else NO_LENGTHS
-    needs_grad = _needs_grad(q, k, v, sinks)
-    call = AttentionCall(False, padded, 0, S_q, S_kv, scale, mask, sinks is not None, return_lse or needs_grad, needs_grad)
-    out, lse = serve(call, q, k, v, sinks=sinks, lengths=lengths, signature=signature if _unchanged(given, q, k, v) else None)
+        call, resolved = served
+        lengths = padding_lengths(seqlens_q, seqlens_kv, q.shape[0], q.shape[2], k.shape[2], q.device) if call.padded else NO_LENGTHS
+        out, lse = serve(Prepared(call, q, k, v, sinks, lengths), plan=resolved)
+    else:
+        prepared = prepare_dense(
+            q, k, v, scale=scale, causal=causal, bottom_right=bottom_right, window_size=window_size, sinks=sinks, seqlens_q=seqlens_q,
+            seqlens_kv=seqlens_kv, return_lse=return_lse, validate=validate, key=key,
+        )
+        out, lse = serve(prepared)
     return (out, lse) if return_lse else out
-
-
-def _unchanged(given, q, k, v) -> bool:
-    # Identity, not ==: a tuple compares unequal tensors elementwise.
-    return given[0] is q and given[1] is k and given[2] is v
-
-
-def _padding_lengths(seqlens_q, seqlens_kv, B: int, S_q: int, S_kv: int, device) -> Lengths:
-    """A padded call's per-row lengths as the kernels take them; an absent side is the full length."""
-    return Lengths(*effective_lengths(
-        seqlens_q if seqlens_q is not None else torch.full((B,), S_q, dtype=torch.int32, device=device),
-        seqlens_kv if seqlens_kv is not None else torch.full((B,), S_kv, dtype=torch.int32, device=device),
-        S_q, S_kv,
-    ))  # fmt: skip
 
 
 def varlen_attention(
@@ -198,48 +133,40 @@ def varlen_attention(
         inputs), differentiable as in :func:`attention` (``-inf`` on tokens in no document or in a document
         without keys).
     """
-    signature = None
+    key = None
     if not validate:
-        signature = _call_signature(q, k, v, scale, causal, bottom_right, window_size, sinks, return_lse, (cu_seqlens_q, cu_seqlens_kv),
-                                    (max_seqlen_q, max_seqlen_kv))  # fmt: skip
-    served = None if signature is None else memoized(signature)
-    if served is None:
-        given = (q, k, v)
-        q, k, v = validation.check_qkv(q, k, v, packed=True)
-        validation.check_cu_seqlens(cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, q.device, total_q=q.shape[0],
-                                    total_kv=k.shape[0])  # fmt: skip
-        mask = make_mask_spec(causal=causal, bottom_right=bottom_right, window_size=window_size)
-        q, scale = validation.positive_scale(q, validation.resolve_scale(scale, q.shape[-1]))
-        sinks = validation.check_sinks(sinks, q, q.shape[1])
-    validation.check_prefix_sums(cu_seqlens_q, cu_seqlens_kv, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_kv, validate=validate)
-    lengths = Lengths(None, None, cu_seqlens_q, cu_seqlens_kv)
+        options = argument_options(q, k, v, scale, causal, bottom_right, window_size, sinks, return_lse, (cu_seqlens_q, cu_seqlens_kv),
+                                   (max_seqlen_q, max_seqlen_kv), plans.sink_forward())
+        key = None if options is None else served_key(options, q, k, v)
+    served = None if key is None else memoized(key)
     if served is not None:  # its q/k/v were token-major already (else they would have been copied, and the call not remembered)
-        call, plan = served
-        out, lse = serve(call, q, k, v, sinks=sinks, lengths=lengths, plan=plan)
-        return (out, lse) if return_lse else out
-    needs_grad = _needs_grad(q, k, v, sinks)
-    if needs_grad:
-        q, k, v = (token_major(t) for t in (q, k, v))  # see token_major: cuDNN's packed backward needs it
-    call = AttentionCall(
-        True, False, cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_kv, scale, mask, sinks is not None, return_lse or needs_grad, needs_grad
-    )
-    out, lse = serve(call, q, k, v, sinks=sinks, lengths=lengths, signature=signature if _unchanged(given, q, k, v) else None)
+        call, resolved = served
+        validation.check_prefix_sums(cu_seqlens_q, cu_seqlens_kv, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_kv, validate=False)
+        lengths = packed_lengths(cu_seqlens_q, cu_seqlens_kv, q.shape[0], k.shape[0])
+        out, lse = serve(Prepared(call, q, k, v, sinks, lengths), plan=resolved)
+    else:
+        prepared = prepare_packed(
+            q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv, max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv,
+            scale=scale, causal=causal, bottom_right=bottom_right, window_size=window_size, sinks=sinks, return_lse=return_lse,
+            validate=validate, key=key,
+        )
+        out, lse = serve(prepared)
     return (out, lse) if return_lse else out
 
 
-def serve(call: AttentionCall, q, k, v, *, sinks, lengths: Lengths, plan=None, signature=None):
-    """``(out, lse)`` for a validated call: cuDNN when it can serve it, else the exact path, counted
-    and warned about once per reason (and refused in strict mode). An empty call is no fallback.
+def serve(prepared: Prepared, *, plan=None):
+    """``(out, lse)`` for a prepared call: cuDNN when it can serve it, else the exact path, counted and warned
+    about once per reason (and refused in strict mode). An empty call is no fallback.
 
-    ``plan``: already resolved for this call (a remembered signature's). ``signature``: the call's
-    arguments' signature, remembered with the plan when cuDNN serves the call (None: the arguments
-    were changed on the way, by a copy or a folded scale, so the next call must validate again).
+    ``plan``: already resolved for this call (a remembered key's). Otherwise the call is resolved, and its plan
+    remembered under ``prepared.key`` when cuDNN serves it.
     """
+    call, q, k, v, sinks, lengths = prepared.call, prepared.q, prepared.k, prepared.v, prepared.sinks, prepared.lengths
     if plan is None:
         empty = validation.nothing_to_compute(q, k, max_seqlen_q=call.max_seqlen_q, max_seqlen_kv=call.max_seqlen_kv)
-        plan, reason = (None, None) if empty else resolve_cudnn(q, k, v, call)
-        if plan is not None and signature is not None:
-            memoize(signature, (call, plan), plan.specs)
+        plan, reason = (None, None) if empty else plans.resolve(q, k, v, call)
+        if plan is not None and prepared.key is not None:
+            memoize(prepared.key, (call, plan), plan.specs)
     else:
         empty, reason = False, None
     if not empty and reason is None:
@@ -259,3 +186,4 @@ def serve(call: AttentionCall, q, k, v, *, sinks, lengths: Lengths, plan=None, s
         else:
             out, lse = fallback_outputs(out, lse, reason, needs_grad=call.needs_grad)
     return out, lse
+

@@ -1,19 +1,15 @@
-"""cuDNN frontend graphs for attention: specs, building, a bounded cache, handles and execution.
+"""cuDNN frontend graphs for attention: specs, building, and the one bounded cache.
 
 One graph per :class:`GraphSpec` (everything that changes the graph: dtype, dims, strides, scale,
-mask, flags, device). Building happens once per spec; a spec cuDNN rejects is remembered, so the
-caller can fall back without asking again. A memo beside the cache maps cheap call signatures to
-what was resolved from them (a graph, a plan of graphs); its entries live and die with their graphs.
-
-Execution hands the lowered backend plan a raw array of operand pointers in the order the backend
-keeps them, when the frontend exposes that (see :func:`cudnn_attention._compat.backend_operand_uids`),
-else a ``{uid: pointer}`` map; ``CUDNN_ATTENTION_PUBLIC_EXECUTE=1`` forces the public
-``pygraph.execute``. Workspaces are kept per device and stream, as torch keeps cuBLAS's.
+mask, flags, device), derived from a call by :func:`spec_for`. Building happens once per spec; a spec
+cuDNN rejects is remembered, so the caller can fall back without asking again. A memo beside the cache
+maps keys of calls (:func:`~cudnn_attention.call.served_key`) to what was resolved from them (a graph, a
+plan of graphs); its entries live and die with their graphs. Launching a built graph is
+:mod:`cudnn_attention.launch`'s.
 """
 
 from __future__ import annotations
 
-import array
 import atexit
 import os
 import threading
@@ -23,31 +19,34 @@ from typing import NamedTuple
 
 import torch
 
-from . import _compat
+from . import _compat, launch
+from .call import AttentionCall, served_key
+from .layouts import MIN_SEQ_BUCKET, like_layout_strides, packed_bounds, shape_bucket, thd_descriptor_strides
 from .masking import MaskSpec
 from .policy import note_graph_build
 
 __all__ = [
+    "CompiledGraph",
     "GraphRejected",
     "GraphSpec",
     "built_plans",
     "clear_cache",
-    "execute",
     "frontend_unavailable_reason",
     "get_graph",
-    "graph_for_call",
+    "graph_for",
     "known_wrong",
     "memoize",
     "memoized",
+    "spec_for",
 ]
 
+# Re-exported: whether graphs can be built at all is asked of this module.
+frontend_unavailable_reason = launch.frontend_unavailable_reason
+
 _CACHE_CAPACITY = 512
-# Signatures per graph: packed calls change their token count every step, and each count is a
-# signature of its own that resolves to the same bucketed graph, so the memo is bounded by itself too.
+# Keys per graph: packed calls change their token count every step, and each count is a key of its own that
+# resolves to the same bucketed graph, so the memo is bounded by itself too.
 _MEMO_CAPACITY = 8 * _CACHE_CAPACITY
-# Workspaces up to this size are kept per (device, stream) between calls; larger ones (a packed
-# backward's dQ accumulator can take hundreds of MiB) come from the caching allocator each call.
-_KEPT_WORKSPACE_BYTES = 64 << 20
 
 
 class GraphRejected(RuntimeError):
@@ -55,8 +54,9 @@ class GraphRejected(RuntimeError):
 
 
 class GraphSpec(NamedTuple):
-    """Everything that changes a cuDNN attention graph. Strides are (B, H, S, D) descriptor strides;
-    for packed tensors ``batch``/``seq_*`` are bucketed upper bounds and ragged offsets locate documents."""
+    """Everything that changes a cuDNN attention graph (built by keyword: :func:`spec_for`). Strides are (B, H, S, D)
+    descriptor strides; for packed tensors ``batch``/``seq_*`` are bucketed upper bounds and ragged offsets locate
+    documents."""
 
     direction: str  # "forward" | "backward"
     device_index: int
@@ -72,18 +72,48 @@ class GraphSpec(NamedTuple):
     k_strides: tuple
     v_strides: tuple
     o_strides: tuple  # also dO's in the backward
-    grad_strides: tuple  # (dq, dk, dv) strides in the backward, () in the forward
     scale: float
-    left: int
-    right: int
-    bottom_right: bool
-    sinks: bool  # forward only: the backward gets dSink from an identity, not from the graph
-    padded: bool
-    packed: bool
-    need_lse: bool
-    total_q: int  # backward, packed: bucketed token counts that size cuDNN's dQ accumulator
-    total_kv: int
-    deterministic: bool
+    mask: MaskSpec
+    grad_strides: tuple = ()  # (dq, dk, dv) strides in the backward
+    sinks: bool = False  # forward only: the backward gets dSink from an identity, not from the graph
+    padded: bool = False
+    packed: bool = False
+    need_lse: bool = False
+    total_q: int = 0  # backward, packed: bucketed token counts that size cuDNN's dQ accumulator
+    total_kv: int = 0
+    deterministic: bool = False
+
+
+def spec_for(direction: str, call: AttentionCall, q, k, v, *, deterministic: bool) -> GraphSpec:
+    """The graph ``direction`` of ``call`` needs for these tensors (dense (B, H, S, D) or packed (T, H, D))."""
+    backward = direction == "backward"
+    H, H_kv, D, D_v = q.shape[1], k.shape[1], q.shape[-1], v.shape[-1]
+    extra = {}
+    if call.packed:
+        batch, S_q = packed_bounds(documents=call.documents, max_seqlen=call.max_seqlen_q, tokens=q.shape[0])
+        _, S_kv = packed_bounds(documents=call.documents, max_seqlen=call.max_seqlen_kv, tokens=k.shape[0])
+        strides = dict(
+            q_strides=thd_descriptor_strides(q, S_q), k_strides=thd_descriptor_strides(k, S_kv), v_strides=thd_descriptor_strides(v, S_kv),
+            o_strides=(S_q * H * D_v, D_v, H * D_v, 1),
+        )
+        if backward:
+            extra = dict(
+                grad_strides=((S_q * H * D, D, H * D, 1), (S_kv * H_kv * D, D, H_kv * D, 1), (S_kv * H_kv * D_v, D_v, H_kv * D_v, 1)),
+                total_q=shape_bucket(q.shape[0], MIN_SEQ_BUCKET), total_kv=shape_bucket(k.shape[0], MIN_SEQ_BUCKET),
+            )
+    else:
+        batch, S_q, S_kv = q.shape[0], q.shape[2], k.shape[2]
+        strides = dict(
+            q_strides=tuple(q.stride()), k_strides=tuple(k.stride()), v_strides=tuple(v.stride()),
+            o_strides=like_layout_strides((batch, H, S_q, D_v), q),
+        )
+        if backward:
+            extra = dict(grad_strides=tuple(like_layout_strides(tuple(t.shape), t) for t in (q, k, v)))
+    return GraphSpec(
+        direction=direction, device_index=q.device.index, dtype=q.dtype, batch=batch, heads_q=H, heads_kv=H_kv, seq_q=S_q, seq_kv=S_kv,
+        dim_qk=D, dim_v=D_v, scale=float(call.scale), mask=call.mask, sinks=call.has_sinks and not backward, padded=call.padded,
+        packed=call.packed, need_lse=call.need_lse or backward, deterministic=deterministic and backward, **strides, **extra,
+    )
 
 
 class _UID:
@@ -126,85 +156,16 @@ class CompiledGraph:
 
 
 # ----------------------------------------------------------------------------------------------
-# Frontend, handles and streams
-# ----------------------------------------------------------------------------------------------
-
-_frontend = None
-_frontend_error: str | None = None
-
-
-def _load_frontend():
-    global _frontend, _frontend_error
-    if _frontend is None and _frontend_error is None:
-        try:
-            import cudnn
-
-            _frontend = cudnn
-        except Exception as exc:  # noqa: BLE001 - any import failure means "not usable here"
-            _frontend_error = f"cuDNN frontend not importable ({type(exc).__name__}: {exc})"
-    return _frontend
-
-
-def frontend_unavailable_reason() -> str | None:
-    """``None`` when ``import cudnn`` works, else why not (cached after the first try)."""
-    _load_frontend()
-    return _frontend_error
-
-
-_thread_state = threading.local()
-
-
-def _bound_handle(device_index: int):
-    """``(handle, stream)``: this thread's cuDNN handle for the device, bound to torch's current stream.
-
-    cuDNN handles are not thread-safe, hence one per thread; the stream is rebound only when it
-    changes (``set_stream`` costs about 5 us).
-    """
-    handles = getattr(_thread_state, "handles", None)
-    if handles is None:
-        handles = _thread_state.handles = {}
-    entry = handles.get(device_index)
-    if entry is None:
-        with torch.cuda.device(device_index):
-            entry = handles[device_index] = [_load_frontend().create_handle(), None]
-    stream = _compat.current_raw_stream(device_index)
-    if entry[1] != stream:
-        _frontend.set_stream(handle=entry[0], stream=stream)
-        entry[1] = stream
-    return entry[0], stream
-
-
-# (device index, raw stream) -> uint8 buffer. Launches on one stream run in order, so one buffer
-# serves them all; a stream torch hands out is never destroyed (it comes from a fixed pool), so a
-# raw handle names the same queue for the life of the process.
-_workspaces: dict = {}
-
-
-def _workspace(size: int, device: torch.device, stream: int):
-    """A buffer of at least ``size`` bytes for a launch on ``stream`` (None for no workspace). While a
-    CUDA graph is captured, a fresh one from the graph's pool: a replay may run beside eager launches."""
-    if not size:
-        return None
-    if size > _KEPT_WORKSPACE_BYTES or torch.cuda.is_current_stream_capturing():
-        return torch.empty(size, dtype=torch.uint8, device=device)
-    key = (device.index, stream)
-    buffer = _workspaces.get(key)
-    if buffer is None or buffer.numel() < size:
-        buffer = _workspaces[key] = torch.empty(size, dtype=torch.uint8, device=device)
-    return buffer
-
-
-# ----------------------------------------------------------------------------------------------
 # Cache
 # ----------------------------------------------------------------------------------------------
 
 _cache: OrderedDict = OrderedDict()  # GraphSpec -> CompiledGraph | GraphRejected; the one bound (FIFO)
 _build_lock = threading.Lock()
-# Call signature -> (what was resolved from it, the specs of the graphs it holds): a steady-state call
+# Key of a call (call.served_key) -> (what was resolved from it, the specs of the graphs it holds): a steady-state call
 # skips deriving specs (a few microseconds each). An entry goes with any of its graphs, so the memo
 # never keeps an evicted graph alive, and the oldest go first past _MEMO_CAPACITY.
 _by_call: dict = {}
-_signatures: dict = {}  # GraphSpec -> {signature, ...} that hold it
+_holders: dict = {}  # GraphSpec -> {key, ...} that hold it
 
 
 def get_graph(spec: GraphSpec) -> CompiledGraph:
@@ -237,48 +198,50 @@ def _cached_or_built(spec: GraphSpec):
                 _cache[spec] = entry
                 while len(_cache) > _CACHE_CAPACITY:
                     evicted, _ = _cache.popitem(last=False)
-                    for signature in _signatures.pop(evicted, ()):
-                        _forget(signature)
+                    for key in _holders.pop(evicted, ()):
+                        _forget(key)
     return entry
 
 
-def _forget(signature) -> None:
+def _forget(key) -> None:
     # Under _build_lock.
-    entry = _by_call.pop(signature, None)
+    entry = _by_call.pop(key, None)
     if entry is not None:
         for spec in entry[1]:
-            holders = _signatures.get(spec)
+            holders = _holders.get(spec)
             if holders is not None:
-                holders.discard(signature)
+                holders.discard(key)
 
 
-def memoized(signature):
-    """What :func:`memoize` kept for ``signature``, or None."""
-    entry = _by_call.get(signature)
+def memoized(key):
+    """What :func:`memoize` kept for ``key``, or None."""
+    entry = _by_call.get(key)
     return None if entry is None else entry[0]
 
 
-def memoize(signature, value, specs) -> None:
-    """Keep ``value`` (resolved from graphs of ``specs``, every one in the cache) for ``signature``,
+def memoize(key, value, specs) -> None:
+    """Keep ``value`` (resolved from graphs of ``specs``, every one in the cache) for ``key``,
     for as long as each of those graphs stays cached."""
     with _build_lock:
-        if signature in _by_call or not all(spec in _cache for spec in specs):  # evicted meanwhile
+        if key in _by_call or not all(spec in _cache for spec in specs):  # evicted meanwhile
             return
-        _by_call[signature] = (value, specs)
+        _by_call[key] = (value, specs)
         for spec in specs:
-            _signatures.setdefault(spec, set()).add(signature)
+            _holders.setdefault(spec, set()).add(key)
         if len(_by_call) > _MEMO_CAPACITY:
             _forget(next(iter(_by_call)))
 
 
-def graph_for_call(signature: tuple, make_spec) -> CompiledGraph:
-    """:func:`get_graph` behind the memo, keyed by a cheap call ``signature``; ``make_spec()`` runs on a
-    miss. Rejections are kept too (their verdict is cached with the spec)."""
-    entry = memoized(signature)
+def graph_for(direction: str, call: AttentionCall, q, k, v, *, deterministic: bool) -> CompiledGraph:
+    """The compiled graph serving ``direction`` of ``call`` on these tensors (raises :class:`GraphRejected`), found by
+    the call's key (:func:`~cudnn_attention.call.served_key`), the whole steady-state cost; :func:`spec_for` runs on
+    a miss. Rejections are kept too (their verdict is cached with the spec)."""
+    key = served_key((direction, call, deterministic), q, k, v)
+    entry = memoized(key)
     if entry is None:
-        spec = make_spec()
+        spec = spec_for(direction, call, q, k, v, deterministic=deterministic)
         entry = _cached_or_built(spec)
-        memoize(signature, entry, (spec,))
+        memoize(key, entry, (spec,))
     if type(entry) is GraphRejected:
         raise _fresh(entry)
     return entry
@@ -294,8 +257,8 @@ def clear_cache() -> None:
     with _build_lock:
         _cache.clear()
         _by_call.clear()
-        _signatures.clear()
-        _workspaces.clear()
+        _holders.clear()
+        launch.clear_workspaces()
 
 
 def _release_at_exit() -> None:
@@ -303,7 +266,7 @@ def _release_at_exit() -> None:
     runs: the frontend's nanobind bindings print a leak report of hundreds of lines at exit for any
     instance still alive when its module is torn down. Other threads' handles die with their threads."""
     clear_cache()
-    _thread_state.__dict__.pop("handles", None)
+    launch.release_handles()
     import gc
 
     gc.collect()
@@ -322,7 +285,8 @@ def known_wrong(spec: GraphSpec) -> str | None:
 
     Such a graph gets the verdict of a rejection, so its calls take the exact path, counted and warned about
     once, instead of returning wrong values. Each entry was found by the GPU fuzz (``tests/test_gpu_fuzz.py``)
-    and is kept for every cuDNN version until a newer one is measured right.
+    and is kept for every cuDNN version until a newer one is measured right (the measurements:
+    docs/decisions/0009-known-wrong-cudnn-configurations.md).
     """
     if spec.direction == "backward" and spec.packed and spec.dim_qk > 192 and spec.dim_v != spec.dim_qk:
         # cuDNN 9.19 on an H200: the packed (ragged) backward at D 256 with D_v 80 or 128 returns NaN and garbage
@@ -335,13 +299,13 @@ def known_wrong(spec: GraphSpec) -> str | None:
 def _build(spec: GraphSpec) -> CompiledGraph:
     """Build ``spec``'s graph on a fresh thread (see :func:`_on_a_fresh_stack`) with this thread's
     handle: this thread waits meanwhile, so the handle is never in two threads' hands at once."""
-    cudnn = _load_frontend()
+    cudnn = launch.frontend()
     if cudnn is None:
-        raise GraphRejected(_frontend_error)
+        raise GraphRejected(launch.frontend_unavailable_reason())
     wrong = known_wrong(spec)
     if wrong is not None:
         raise GraphRejected(wrong)
-    return _on_a_fresh_stack(_construct, cudnn, spec, _bound_handle(spec.device_index)[0])
+    return _on_a_fresh_stack(_construct, cudnn, spec, launch.bound_handle(spec.device_index)[0])
 
 
 def _on_a_fresh_stack(fn, *args):
@@ -355,7 +319,8 @@ def _on_a_fresh_stack(fn, *args):
     activations: +4.5 GiB peak over two steps of a 36 GiB long-context fine-tuning step on an
     H200. A thread's stack starts at the thread, so the cycle reaches only the build's own frames.
     The error itself may sit in that cycle (the frontend raises the one it kept when every mode
-    fails), so it stays there: raising it here would add this stack to its traceback.
+    fails), so it stays there: raising it here would add this stack to its traceback. See
+    docs/decisions/0008-graph-builds-run-on-a-fresh-thread.md.
     """
     outcome = []
 
@@ -377,125 +342,119 @@ def _on_a_fresh_stack(fn, *args):
         value = None  # the raised error's traceback holds this frame: no cycle through this local
 
 
+class _Nodes:
+    """One graph under construction: its tensors' common settings and the ragged offset columns they share."""
+
+    def __init__(self, cudnn, spec: GraphSpec, handle):
+        self.cudnn, self.spec = cudnn, spec
+        self.io_type = cudnn.data_type.HALF if spec.dtype == torch.float16 else cudnn.data_type.BFLOAT16
+        self.graph = cudnn.pygraph(
+            handle=handle, io_data_type=self.io_type, intermediate_data_type=cudnn.data_type.FLOAT, compute_data_type=cudnn.data_type.FLOAT
+        )
+        self.ragged: dict[tuple[str, int], object] = {}
+        B, H, S_q = spec.batch, spec.heads_q, spec.seq_q
+        self.o_dims = (B, H, S_q, spec.dim_v)
+        self.stats_dims = (B, H, S_q, 1)
+        self.stats_strides = (S_q * H, 1, H, 1) if spec.packed else (H * S_q, S_q, 1, 1)
+
+    def tensor(self, name, uid, dims, strides, data_type=None):
+        return self.graph.tensor(name=name, dim=list(dims), stride=list(strides), uid=uid, data_type=data_type or self.io_type)
+
+    def set_ragged(self, t, side: str, token_stride: int) -> None:
+        """Packed graphs only. One offset column per (side, token stride): q/o/dq usually share one, k/v/dk/dv another."""
+        if not self.spec.packed:
+            return
+        column = self.ragged.get((side, token_stride))
+        if column is None:
+            uid = _UID.FIRST_RAGGED + len(self.ragged)
+            column = self.tensor(f"ragged_{uid}", uid, (self.spec.batch + 1, 1, 1, 1), (1, 1, 1, 1), data_type=self.cudnn.data_type.INT64)
+            self.ragged[side, token_stride] = column
+        t.set_ragged_offset(column)
+
+    def output(self, t, uid, dims, strides, data_type=None) -> None:
+        t.set_uid(uid).set_output(True).set_dim(list(dims)).set_stride(list(strides)).set_data_type(data_type or self.io_type)
+
+
 def _construct(cudnn, spec: GraphSpec, handle) -> CompiledGraph:
     with torch.cuda.device(spec.device_index):
-        io_type = cudnn.data_type.HALF if spec.dtype == torch.float16 else cudnn.data_type.BFLOAT16
-        g = cudnn.pygraph(
-            handle=handle, io_data_type=io_type, intermediate_data_type=cudnn.data_type.FLOAT, compute_data_type=cudnn.data_type.FLOAT
-        )
-        B, H, H_kv, S_q, S_kv = spec.batch, spec.heads_q, spec.heads_kv, spec.seq_q, spec.seq_kv
-        io = dict(data_type=io_type)
-
-        def tensor(name, uid, dims, strides, **kw):
-            return g.tensor(name=name, dim=list(dims), stride=list(strides), uid=uid, **(kw or io))
-
-        q = tensor("q", _UID.Q, (B, H, S_q, spec.dim_qk), spec.q_strides)
-        k = tensor("k", _UID.K, (B, H_kv, S_kv, spec.dim_qk), spec.k_strides)
-        v = tensor("v", _UID.V, (B, H_kv, S_kv, spec.dim_v), spec.v_strides)
-        o_dims = (B, H, S_q, spec.dim_v)
-        stats_dims = (B, H, S_q, 1)
-        stats_strides = (S_q * H, 1, H, 1) if spec.packed else (H * S_q, S_q, 1, 1)
+        nodes = _Nodes(cudnn, spec, handle)
+        B, H_kv, S_kv = spec.batch, spec.heads_kv, spec.seq_kv
+        q = nodes.tensor("q", _UID.Q, (B, spec.heads_q, spec.seq_q, spec.dim_qk), spec.q_strides)
+        k = nodes.tensor("k", _UID.K, (B, H_kv, S_kv, spec.dim_qk), spec.k_strides)
+        v = nodes.tensor("v", _UID.V, (B, H_kv, S_kv, spec.dim_v), spec.v_strides)
+        nodes.set_ragged(q, "q", spec.q_strides[2])
+        nodes.set_ragged(k, "kv", spec.k_strides[2])
+        nodes.set_ragged(v, "kv", spec.v_strides[2])
         seq_q = seq_kv = None
         if spec.padded or spec.packed:
-            int32 = dict(data_type=cudnn.data_type.INT32)
-            seq_q = tensor("seq_len_q", _UID.SEQ_Q, (B, 1, 1, 1), (1, 1, 1, 1), **int32)
-            seq_kv = tensor("seq_len_kv", _UID.SEQ_KV, (B, 1, 1, 1), (1, 1, 1, 1), **int32)
-
-        ragged: dict[tuple[str, int], object] = {}
-
-        def set_ragged(t, side: str, token_stride: int):
-            # One offset column per (side, token stride): q/o/dq usually share one, k/v/dk/dv another.
-            column = ragged.get((side, token_stride))
-            if column is None:
-                uid = _UID.FIRST_RAGGED + len(ragged)
-                column = ragged[side, token_stride] = tensor(f"ragged_{uid}", uid, (B + 1, 1, 1, 1), (1, 1, 1, 1), data_type=cudnn.data_type.INT64)
-            t.set_ragged_offset(column)
-
-        if spec.packed:
-            set_ragged(q, "q", spec.q_strides[2])
-            set_ragged(k, "kv", spec.k_strides[2])
-            set_ragged(v, "kv", spec.v_strides[2])
-        left_bound, right_bound = MaskSpec(left=spec.left, right=spec.right).cudnn_bounds()
+            int32 = cudnn.data_type.INT32
+            seq_q = nodes.tensor("seq_len_q", _UID.SEQ_Q, (B, 1, 1, 1), (1, 1, 1, 1), data_type=int32)
+            seq_kv = nodes.tensor("seq_len_kv", _UID.SEQ_KV, (B, 1, 1, 1), (1, 1, 1, 1), data_type=int32)
+        left_bound, right_bound = spec.mask.cudnn_bounds()
         mask_args = dict(
             diagonal_band_left_bound=left_bound,
             diagonal_band_right_bound=right_bound,
-            diagonal_alignment=cudnn.diagonal_alignment.BOTTOM_RIGHT if spec.bottom_right else cudnn.diagonal_alignment.TOP_LEFT,
+            diagonal_alignment=cudnn.diagonal_alignment.BOTTOM_RIGHT if spec.mask.bottom_right else cudnn.diagonal_alignment.TOP_LEFT,
             use_padding_mask=spec.padded or spec.packed,
             seq_len_q=seq_q,
             seq_len_kv=seq_kv,
         )
-
-        if spec.direction == "forward":
-            sinks = tensor("sinks", _UID.SINKS, (1, H, 1, 1), (H, 1, 1, 1), data_type=cudnn.data_type.FLOAT) if spec.sinks else None
-            o, stats = g.sdpa(
-                name="attention", q=q, k=k, v=v, generate_stats=spec.need_lse, attn_scale=spec.scale, sink_token=sinks, **mask_args
-            )
-            o.set_uid(_UID.O).set_output(True).set_dim(list(o_dims)).set_stride(list(spec.o_strides)).set_data_type(io_type)
-            uids = [_UID.Q, _UID.K, _UID.V, _UID.O]
-            if spec.packed:
-                set_ragged(o, "q", spec.o_strides[2])
-            if spec.need_lse:
-                stats.set_uid(_UID.STATS).set_output(True).set_dim(list(stats_dims)).set_stride(list(stats_strides))
-                stats.set_data_type(cudnn.data_type.FLOAT)
-                uids.append(_UID.STATS)
-                if spec.packed:
-                    set_ragged(stats, "q", H)
-            if spec.sinks:
-                uids.append(_UID.SINKS)
-        else:
-            o = tensor("o", _UID.O, o_dims, spec.o_strides)
-            d_o = tensor("dO", _UID.DO, o_dims, spec.o_strides)
-            stats = tensor("stats", _UID.STATS, stats_dims, stats_strides, data_type=cudnn.data_type.FLOAT)
-            extra = {}
-            if spec.packed:
-                set_ragged(o, "q", spec.o_strides[2])
-                set_ragged(d_o, "q", spec.o_strides[2])
-                set_ragged(stats, "q", H)
-                extra = dict(max_total_seq_len_q=spec.total_q, max_total_seq_len_kv=spec.total_kv)
-            dq, dk, dv = g.sdpa_backward(
-                name="attention_backward", q=q, k=k, v=v, o=o, dO=d_o, stats=stats, attn_scale=spec.scale,
-                use_deterministic_algorithm=spec.deterministic, **mask_args, **extra,
-            )  # fmt: skip
-            dq_strides, dk_strides, dv_strides = spec.grad_strides
-            for grad, uid, dims, strides, side in (
-                (dq, _UID.DQ, (B, H, S_q, spec.dim_qk), dq_strides, "q"),
-                (dk, _UID.DK, (B, H_kv, S_kv, spec.dim_qk), dk_strides, "kv"),
-                (dv, _UID.DV, (B, H_kv, S_kv, spec.dim_v), dv_strides, "kv"),
-            ):
-                grad.set_uid(uid).set_output(True).set_dim(list(dims)).set_stride(list(strides)).set_data_type(io_type)
-                if spec.packed:
-                    set_ragged(grad, side, strides[2])
-            uids = [_UID.Q, _UID.K, _UID.V, _UID.O, _UID.DO, _UID.STATS, _UID.DQ, _UID.DK, _UID.DV]
+        build_nodes = _forward_nodes if spec.direction == "forward" else _backward_nodes
+        uids = build_nodes(nodes, q, k, v, mask_args)
         if spec.padded or spec.packed:
             uids += [_UID.SEQ_Q, _UID.SEQ_KV]
-        uids += [_UID.FIRST_RAGGED + i for i in range(len(ragged))]
+        uids += [_UID.FIRST_RAGGED + i for i in range(len(nodes.ragged))]
 
+        g = nodes.graph
         g.validate()
         g.build_operation_graph()
         g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
         g.check_support()
         g.build_plans()
-        return CompiledGraph(spec, g, g.get_workspace_size(), tuple(uids), tuple(ragged))
+        return CompiledGraph(spec, g, g.get_workspace_size(), tuple(uids), tuple(nodes.ragged))
 
 
-# ----------------------------------------------------------------------------------------------
-# Execution
-# ----------------------------------------------------------------------------------------------
+def _forward_nodes(nodes: _Nodes, q, k, v, mask_args: dict) -> list:
+    """The forward node (sinks and the LSE as the spec says); returns the operand uids in call order."""
+    spec, cudnn = nodes.spec, nodes.cudnn
+    H = spec.heads_q
+    sinks = nodes.tensor("sinks", _UID.SINKS, (1, H, 1, 1), (H, 1, 1, 1), data_type=cudnn.data_type.FLOAT) if spec.sinks else None
+    o, stats = nodes.graph.sdpa(
+        name="attention", q=q, k=k, v=v, generate_stats=spec.need_lse, attn_scale=spec.scale, sink_token=sinks, **mask_args
+    )
+    nodes.output(o, _UID.O, nodes.o_dims, spec.o_strides)
+    nodes.set_ragged(o, "q", spec.o_strides[2])
+    uids = [_UID.Q, _UID.K, _UID.V, _UID.O]
+    if spec.need_lse:
+        nodes.output(stats, _UID.STATS, nodes.stats_dims, nodes.stats_strides, data_type=cudnn.data_type.FLOAT)
+        nodes.set_ragged(stats, "q", H)
+        uids.append(_UID.STATS)
+    if spec.sinks:
+        uids.append(_UID.SINKS)
+    return uids
 
 
-def execute(graph: CompiledGraph, operands: list, device_index: int) -> None:
-    """Launch ``graph`` on torch's current stream with ``operands`` in the graph's uid order. Only each
-    operand's address is read (the graph holds the dims and strides), so an LSE or a length vector goes in
-    as it is, not viewed to the graph's (B, H, S, 1) dims; the public ``pygraph.execute`` takes them the same
-    way (``test_every_launch_path_gives_the_same_bits``)."""
-    handle, stream = _bound_handle(device_index)
-    workspace = _workspace(graph.workspace_size, operands[0].device, stream)
-    workspace_ptr = workspace.data_ptr() if workspace is not None else 0
-    if graph.pointer_order is not None:
-        pointers = array.array("Q", [operands[i].data_ptr() for i in graph.pointer_order])
-        _compat.execute_pointer_array(graph.lowered, pointers, workspace_ptr, graph.cpp_index, handle.backend_handle)
-    elif graph.lowered is not None:
-        pointers = {uid: t.data_ptr() for uid, t in zip(graph.uids, operands)}
-        _compat.execute_lowered(graph.lowered, pointers, workspace_ptr, graph.cpp_index, handle.backend_handle)
-    else:
-        graph.graph.execute(operands, workspace, handle=handle, tensor_uids=graph.uids)
+def _backward_nodes(nodes: _Nodes, q, k, v, mask_args: dict) -> list:
+    """The backward node (dQ, dK, dV from O, dO and the LSE); returns the operand uids in call order."""
+    spec, cudnn = nodes.spec, nodes.cudnn
+    B, H, H_kv, S_q, S_kv = spec.batch, spec.heads_q, spec.heads_kv, spec.seq_q, spec.seq_kv
+    o = nodes.tensor("o", _UID.O, nodes.o_dims, spec.o_strides)
+    d_o = nodes.tensor("dO", _UID.DO, nodes.o_dims, spec.o_strides)
+    stats = nodes.tensor("stats", _UID.STATS, nodes.stats_dims, nodes.stats_strides, data_type=cudnn.data_type.FLOAT)
+    nodes.set_ragged(o, "q", spec.o_strides[2])
+    nodes.set_ragged(d_o, "q", spec.o_strides[2])
+    nodes.set_ragged(stats, "q", H)
+    extra = dict(max_total_seq_len_q=spec.total_q, max_total_seq_len_kv=spec.total_kv) if spec.packed else {}
+    dq, dk, dv = nodes.graph.sdpa_backward(
+        name="attention_backward", q=q, k=k, v=v, o=o, dO=d_o, stats=stats, attn_scale=spec.scale,
+        use_deterministic_algorithm=spec.deterministic, **mask_args, **extra,
+    )
+    dq_strides, dk_strides, dv_strides = spec.grad_strides
+    for grad, uid, dims, strides, side in (
+        (dq, _UID.DQ, (B, H, S_q, spec.dim_qk), dq_strides, "q"),
+        (dk, _UID.DK, (B, H_kv, S_kv, spec.dim_qk), dk_strides, "kv"),
+        (dv, _UID.DV, (B, H_kv, S_kv, spec.dim_v), dv_strides, "kv"),
+    ):
+        nodes.output(grad, uid, dims, strides)
+        nodes.set_ragged(grad, side, strides[2])
+    return [_UID.Q, _UID.K, _UID.V, _UID.O, _UID.DO, _UID.STATS, _UID.DQ, _UID.DK, _UID.DV]

@@ -111,7 +111,7 @@ def allocate_forward_outputs(
         return out, lse
     B, H, S = q.shape[0], q.shape[1], q.shape[2]
     shape = (B, H, S, v.shape[-1])
-    # Padded rows are masked after the kernel (cudnn_ops._run_forward), so no fill here.
+    # Padded rows are masked after the kernel (launch.run_forward), so no fill here.
     out = torch.empty_strided(shape, out_strides or like_layout_strides(shape, q), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, H, S), dtype=torch.float32, device=q.device) if need_lse else None
     return out, lse

@@ -275,7 +275,7 @@ def note_fallback(direction: str, reason: str, *, caller_depth: int = 1) -> None
 # The same bookkeeping inside a compiled graph
 # ----------------------------------------------------------------------------------------------
 
-# A fragment of the namespace cudnn_ops defines its kernels' ops in: this op belongs to the policy, not the kernels.
+# Another fragment of the cudnn_attention namespace (cudnn_ops defines the kernels' ops there): this op belongs to the policy.
 _lib = torch.library.Library("cudnn_attention", "FRAGMENT")
 # A CUDA graph would replay the op without its Python, counting nothing and refusing nothing: the tag keeps
 # Inductor's CUDA graphs (mode="reduce-overhead") off it. Public in the torch versions that have it (2.13 does).

@@ -6,7 +6,7 @@ calls the (also overridden) backward. Each kernel therefore returns exactly what
 returns (shapes from torch's meta/fake kernels, so compiled graphs plan for the real tensors).
 
 Served on ``torch.ops.cudnn_attention.forward``/``backward``: calls without attention bias, dropout
-or a debug mask that :func:`cudnn_attention.cudnn_ops.resolve_cudnn` accepts (the same one
+or a debug mask that :func:`cudnn_attention.plan.resolve` accepts (the same one
 predicate for both directions that :func:`cudnn_attention.attention` uses, so a call never starts
 here and finishes elsewhere). Everything else runs torch's own implementation, and is counted
 (``stats()["provider"]["torch_forward"]``) with its reason.
@@ -23,16 +23,14 @@ from typing import NamedTuple
 
 import torch
 
+from . import plan as plans
 from . import validation
-from .call import AttentionCall
-from .cudnn_ops import resolve_cudnn
-from .layouts import token_major
-from .masking import make_mask_spec
+from .call import Prepared, op_args, prepare_aten
+from .cudnn_ops import cudnn_backward
 from .policy import count_provider
 
 __all__ = ["VarlenCall", "VarlenSignature", "sdpa_backward", "sdpa_forward", "varlen_kernels"]
 
-_NO_WINDOW = (-1, -1)
 
 # Whether this torch's logsumexp for the dense cuDNN op is (B, H, S, 1) (its meta kernel says so in
 # 2.13) or (B, H, S); set by the provider at install time from the meta kernel. Same bytes either way.
@@ -58,25 +56,20 @@ def _dense_gap(attn_bias, dropout_p, *, debug_mask=False, cum_seq=None) -> str |
     return None
 
 
-def _resolve(q, k, v, *, cu_seqlens_q, cu_seqlens_kv, max_q, max_kv, is_causal, bottom_right, window_size, scale, needs_grad):
-    """``(q, k, v, scale, mask, reason)``: the core's input checks and :func:`resolve_cudnn`;
-    ``reason`` is None when this project's op serves the call.
+def _resolve(query, key, value, **arguments) -> tuple[Prepared | None, str | None]:
+    """``(prepared, reason)``: the core's input checks (:func:`~cudnn_attention.call.prepare_aten`) and
+    :func:`~cudnn_attention.plan.resolve`; ``reason`` is None when this project's op serves the call.
 
     Malformed input (a head-dim mismatch, bad prefix sums, ...) raises the core's error, which
     names the argument: torch's kernel would fail on it too, less clearly. A non-positive scale is
     folded into q (:func:`~cudnn_attention.validation.positive_scale`); the backward undoes it on dQ.
     """
-    packed = cu_seqlens_q is not None
-    q, k, v = validation.check_qkv(q, k, v, packed=packed)
-    if packed:
-        validation.check_cu_seqlens(cu_seqlens_q, cu_seqlens_kv, max_q, max_kv, q.device, total_q=q.shape[0], total_kv=k.shape[0])
-    q, scale = validation.positive_scale(q, validation.resolve_scale(scale, q.shape[-1]))
-    mask = make_mask_spec(causal=is_causal, bottom_right=bottom_right, window_size=window_size)
-    if validation.nothing_to_compute(q, k, max_seqlen_q=max_q, max_seqlen_kv=max_kv):
-        return q, k, v, scale, mask, "empty inputs"
-    call = AttentionCall(packed, False, cu_seqlens_q.shape[0] - 1 if packed else 0, max_q, max_kv, scale, mask, False, needs_grad, needs_grad)
-    _plan, reason = resolve_cudnn(q, k, v, call)
-    return q, k, v, scale, mask, reason
+    prepared = prepare_aten(query, key, value, **arguments)
+    call = prepared.call
+    if validation.nothing_to_compute(prepared.q, prepared.k, max_seqlen_q=call.max_seqlen_q, max_seqlen_kv=call.max_seqlen_kv):
+        return prepared, "empty inputs"
+    _plan, reason = plans.resolve(prepared.q, prepared.k, prepared.v, call)
+    return prepared, reason
 
 
 # ----------------------------------------------------------------------------------------------
@@ -84,16 +77,12 @@ def _resolve(q, k, v, *, cu_seqlens_q, cu_seqlens_kv, max_q, max_kv, is_causal, 
 # ----------------------------------------------------------------------------------------------
 
 
-def _dense_resolve(query, key, value, attn_bias, dropout_p, *, is_causal, scale, needs_grad, debug_mask=False, cum_seq=None):
-    """``(q, k, v, scale, mask, reason)`` for a dense SDPA call (forward or backward): :func:`_dense_gap` first, then
-    :func:`_resolve`; F.scaled_dot_product_attention's causal mask is top-left aligned."""
+def _dense_resolve(query, key, value, attn_bias, dropout_p, *, is_causal, scale, grad, debug_mask=False, cum_seq=None):
+    """``(prepared, reason)`` for a dense SDPA call (forward or backward): :func:`_dense_gap` first, then :func:`_resolve`."""
     reason = _dense_gap(attn_bias, dropout_p, debug_mask=debug_mask, cum_seq=cum_seq)
     if reason is not None:
-        return None, None, None, None, None, reason
-    return _resolve(
-        query, key, value, cu_seqlens_q=None, cu_seqlens_kv=None, max_q=query.size(-2), max_kv=key.size(-2), is_causal=is_causal,
-        bottom_right=False, window_size=_NO_WINDOW, scale=scale, needs_grad=needs_grad,
-    )  # fmt: skip
+        return None, reason
+    return _resolve(query, key, value, max_q=query.size(-2), max_kv=key.size(-2), is_causal=is_causal, scale=scale, grad=grad)
 
 
 def sdpa_forward(query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0, is_causal=False, return_debug_mask=False, *, scale=None):
@@ -104,40 +93,33 @@ def sdpa_forward(query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0
     """
     S_q, S_kv = query.size(-2), key.size(-2)
     # F.scaled_dot_product_attention asks for the LSE exactly when a backward will follow.
-    q, k, v, scale_f, mask, reason = _dense_resolve(
-        query, key, value, attn_bias, dropout_p, is_causal=is_causal, scale=scale, needs_grad=compute_log_sumexp,
-        debug_mask=return_debug_mask,
-    )  # fmt: skip
+    prepared, reason = _dense_resolve(
+        query, key, value, attn_bias, dropout_p, is_causal=is_causal, scale=scale, grad=compute_log_sumexp, debug_mask=return_debug_mask
+    )
     if reason is not None:
         count_provider("torch_forward", reason)
         return torch.ops.aten._cudnn_attention_forward(
             query, key, value, attn_bias, None, None, S_q, S_kv, compute_log_sumexp, dropout_p, is_causal, return_debug_mask, scale=scale
         )
-    # F.scaled_dot_product_attention's causal mask is top-left aligned, hence bottom_right=False.
-    out, lse = torch.ops.cudnn_attention.forward(
-        q, k, v, None, None, None, None, None, S_q, S_kv, scale_f, mask.left, mask.right, False, compute_log_sumexp
-    )
+    out, lse = _forward(prepared)
     count_provider("sdpa_forward")
-    B, H = q.shape[0], q.shape[1]
+    B, H = query.shape[0], query.shape[1]
     if not compute_log_sumexp:
         # Our op returns an empty placeholder; torch's kernels (and its meta kernel, which compiled
         # graphs check against) return a full-size buffer. Uninitialized: nothing reads it.
-        lse = torch.empty((B, H, S_q), dtype=torch.float32, device=q.device)
+        lse = torch.empty((B, H, S_q), dtype=torch.float32, device=query.device)
     if lse_has_trailing_one:
         lse = lse.unsqueeze(-1)
     # No dropout, so the RNG state is never read (torch's backward ignores it at dropout_p == 0).
-    seed = torch.empty((), dtype=torch.long, device=q.device)
-    offset = torch.empty((), dtype=torch.long, device=q.device)
+    seed = torch.empty((), dtype=torch.long, device=query.device)
+    offset = torch.empty((), dtype=torch.long, device=query.device)
     return out, lse, None, None, S_q, S_kv, seed, offset, None
 
 
 def sdpa_backward(grad_out, query, key, value, out, logsumexp, philox_seed, philox_offset, attn_bias, cum_seq_q, cum_seq_k, max_q, max_k,
                   dropout_p, is_causal, *, scale=None):  # fmt: skip
     """``aten::_scaled_dot_product_cudnn_attention_backward`` on CUDA: ``(dq, dk, dv)``."""
-    S_q, S_kv = query.size(-2), key.size(-2)
-    q, k, v, scale_f, mask, reason = _dense_resolve(
-        query, key, value, attn_bias, dropout_p, is_causal=is_causal, scale=scale, needs_grad=True, cum_seq=cum_seq_q
-    )
+    prepared, reason = _dense_resolve(query, key, value, attn_bias, dropout_p, is_causal=is_causal, scale=scale, grad=True, cum_seq=cum_seq_q)
     if reason is not None:
         count_provider("torch_backward", reason)
         return torch.ops.aten._cudnn_attention_backward(
@@ -147,10 +129,7 @@ def sdpa_backward(grad_out, query, key, value, out, logsumexp, philox_seed, phil
     lse_BHS = logsumexp.squeeze(-1) if logsumexp.dim() == 4 else logsumexp
     # torch's autograd formula for this op declares its LSE non-differentiable (F.scaled_dot_product_attention
     # returns none), so there is no grad_lse.
-    dq, dk, dv, _ = torch.ops.cudnn_attention.backward(
-        grad_out, q, k, v, out, lse_BHS, None, None, None, None, None, None, S_q, S_kv, scale_f, mask.left, mask.right, False,
-        torch.are_deterministic_algorithms_enabled(),
-    )  # fmt: skip
+    dq, dk, dv, _ = _backward(prepared, grad_out, out, lse_BHS)
     count_provider("sdpa_backward")
     return _unfold_dq(dq, scale, query.shape[-1]), dk, dv
 
@@ -274,11 +253,11 @@ def _varlen_kernel(name: str, signature: VarlenSignature, torch_kernel):
 
     def kernel(*args, **kwargs):
         call = _loose_maxima_clamped(signature.bind(args, kwargs))
-        q, k, v, scale, mask, reason = _varlen_resolve(call)
+        prepared, reason = _varlen_resolve(call)
         if reason is not None:
             count_provider(f"torch_{direction}", reason)
             return torch_kernel(*args, **kwargs)
-        return serve(call, q, k, v, scale, mask)
+        return serve(call, prepared)
 
     # Named for its op: every kernel is otherwise "kernel" in tracebacks and profiles.
     kernel.__name__ = kernel.__qualname__ = f"cudnn_attention_{name.lstrip('_')}"
@@ -299,62 +278,57 @@ def _loose_maxima_clamped(call: VarlenCall) -> VarlenCall:
     return call._replace(max_q=tokens_q if loose_q else call.max_q, max_k=tokens_k if loose_k else call.max_k)
 
 
-def _varlen_resolve(call: VarlenCall):
-    """``(q, k, v, scale, mask, reason)`` for a varlen call (forward or backward)."""
+def _varlen_resolve(call: VarlenCall) -> tuple[Prepared | None, str | None]:
+    """``(prepared, reason)`` for a varlen call (forward or backward)."""
     if call.unknown:
-        return None, None, None, None, None, f"arguments this version of cudnn_attention does not know: {', '.join(call.unknown)}"
+        return None, f"arguments this version of cudnn_attention does not know: {', '.join(call.unknown)}"
     if call.seqused_k is not None or call.block_table is not None:
-        return None, None, None, None, None, "paged or partially used KV cache (seqused_k/block_table)"
+        return None, "paged or partially used KV cache (seqused_k/block_table)"
     if call.num_splits is not None:
-        return None, None, None, None, None, "num_splits (flash's split-KV control)"
+        return None, "num_splits (flash's split-KV control)"
     if call.cu_seq_k is None:
-        return None, None, None, None, None, "no cu_seq_k"
+        return None, "no cu_seq_k"
     window = (-1, -1) if call.window_size is None else tuple(int(bound) for bound in call.window_size)
-    # torch's varlen ops run FlashAttention, whose causal/window diagonal is anchored at the last
-    # query and key of each document (bottom right); identical to top left when lengths match.
-    # (torch 2.15's cuDNN backend keeps that meaning: it declines the cases where cuDNN's differs.)
-    # Always resolved as a training call: the op cannot see whether a backward will follow, and
-    # one verdict for both directions keeps the LSE handed between them consistent.
-    # Token-major in both directions (the forward's graph and the backward's must see one layout): see token_major.
+    # torch 2.15's cuDNN backend keeps FlashAttention's bottom-right meaning: it declines the cases where cuDNN's differs.
     return _resolve(
-        token_major(call.query), token_major(call.key), token_major(call.value), cu_seqlens_q=call.cu_seq_q, cu_seqlens_kv=call.cu_seq_k,
-        max_q=call.max_q, max_kv=call.max_k,
-        is_causal=call.is_causal, bottom_right=True, window_size=window, scale=call.scale, needs_grad=True,
-    )  # fmt: skip
+        call.query, call.key, call.value, cu_seqlens_q=call.cu_seq_q, cu_seqlens_kv=call.cu_seq_k, max_q=call.max_q, max_kv=call.max_k,
+        is_causal=call.is_causal, window_size=window, scale=call.scale, grad=True,
+    )
 
 
-def _varlen_run(call: VarlenCall, q, k, v, scale, mask):
-    validation.check_prefix_sums(call.cu_seq_q, call.cu_seq_k, q.shape[0], k.shape[0], call.max_q, call.max_k, validate=False)
-    out, lse_TH = torch.ops.cudnn_attention.forward(
-        q, k, v, None, None, None, call.cu_seq_q, call.cu_seq_k, call.max_q, call.max_k, scale, mask.left, mask.right, mask.bottom_right, True,
-    )  # fmt: skip
-    count_provider("varlen_forward")
-    # torch's varlen LSE is (H, T), contiguous (its fake kernel allocates it so).
-    return out, lse_TH.t().contiguous()
+def _forward(prepared: Prepared):
+    """``(out, lse)`` of a prepared call through the forward op (the provider's kernels sit below torch's autograd)."""
+    return torch.ops.cudnn_attention.forward(
+        prepared.q, prepared.k, prepared.v, need_lse=prepared.call.need_lse, **op_args(prepared.call, prepared.lengths, None)
+    )
 
 
-def _serve_forward(call: VarlenCall, q, k, v, scale, mask):
+def _backward(prepared: Prepared, grad_out, out, lse):
+    """dQ, dK, dV through the backward op. torch's autograd formulas for these ops declare their LSE non-differentiable
+    and ignore its gradient, so there is none to pass on."""
+    return cudnn_backward(grad_out, prepared.q, prepared.k, prepared.v, out, lse, call=prepared.call, lengths=prepared.lengths)
+
+
+def _serve_forward(call: VarlenCall, prepared: Prepared):
     """``_varlen_attn``: ``(out (T, H, D), lse (H, T) float32, rng_state (2,) uint64)``."""
-    out, lse_HT = _varlen_run(call, q, k, v, scale, mask)
-    # No dropout: torch's own body returns zeros here too.
-    return out, lse_HT, torch.zeros((2,), dtype=torch.uint64, device=q.device)
+    out, lse_TH = _forward(prepared)
+    count_provider("varlen_forward")
+    # torch's varlen LSE is (H, T), contiguous (its fake kernel allocates it so). No dropout: torch's own body returns
+    # a zero RNG state here too.
+    return out, lse_TH.t().contiguous(), torch.zeros((2,), dtype=torch.uint64, device=prepared.q.device)
 
 
-def _serve_forward_out(call: VarlenCall, q, k, v, scale, mask):
+def _serve_forward_out(call: VarlenCall, prepared: Prepared):
     """``_varlen_attn_out``: writes ``out`` and returns ``lse`` (H, T)."""
-    result, lse_HT = _varlen_run(call, q, k, v, scale, mask)
+    result, lse_TH = _forward(prepared)
+    count_provider("varlen_forward")
     call.out.copy_(result)
-    return lse_HT
+    return lse_TH.t().contiguous()
 
 
-def _serve_backward(call: VarlenCall, q, k, v, scale, mask):
+def _serve_backward(call: VarlenCall, prepared: Prepared):
     """``_varlen_attn_backward``: ``(dq, dk, dv)``."""
-    # torch's own autograd formula for _varlen_attn (above these kernels) ignores its LSE's gradient and calls
-    # this op without one, so there is none to pass on: grad_lse None.
-    dq, dk, dv, _ = torch.ops.cudnn_attention.backward(
-        call.grad_out, q, k, v, call.out, call.lse.t().contiguous(), None, None, None, None, call.cu_seq_q, call.cu_seq_k,
-        call.max_q, call.max_k, scale, mask.left, mask.right, mask.bottom_right, torch.are_deterministic_algorithms_enabled(),
-    )  # fmt: skip
+    dq, dk, dv, _ = _backward(prepared, call.grad_out, call.out, call.lse.t().contiguous())
     count_provider("varlen_backward")
     return _unfold_dq(dq, call.scale, call.query.shape[-1]), dk, dv
 

@@ -281,10 +281,10 @@ def host_overhead_us(iters=2000) -> dict:
 
 def sink_forward_comparison(case: Case) -> dict:
     """The sink forward two ways at ``case``'s shape: cuDNN's sink engine, and the sink-less kernel plus the LSE
-    fold (``cudnn_ops.SINK_FORWARD``), against the same graph without sinks; with each one's error against fp32
+    fold (``plan.sink_forward``), against the same graph without sinks; with each one's error against fp32
     attention on the same inputs (max abs, output), and the engine plan of each graph it ran (the cache is
     emptied before each way, so they are the graphs that way needs); ``"default"`` is the way this process runs."""
-    from cudnn_attention import cudnn_ops
+    from cudnn_attention import plan
     from cudnn_attention.masking import make_mask_spec
     from cudnn_attention.reference import varlen_reference
 
@@ -294,19 +294,19 @@ def sink_forward_comparison(case: Case) -> dict:
     run = lambda s: cudnn_attention.varlen_attention(q, k, v, cu, cu, max_len, max_len, causal=True, window_size=window, sinks=s)  # noqa: E731
     mask = make_mask_spec(causal=True, bottom_right=False, window_size=window)
     reference, _ = varlen_reference(q.float(), k.float(), v.float(), cu, cu, max_len, max_len, scale=case.head_dim**-0.5, mask=mask, sinks_H=sinks)
-    saved = cudnn_ops.SINK_FORWARD
-    result = {"default": saved}
+    saved = plan.sink_forward
+    result = {"default": saved()}
     try:
         with torch.no_grad():
             clear_cache()
             result["no sinks"] = {"fwd_ms": cuda_time_ms(lambda: run(None)), "plans": plan_names()}
             for way in ("engine", "fold"):
-                cudnn_ops.SINK_FORWARD = way
+                plan.sink_forward = lambda way=way: way
                 clear_cache()
                 error = (run(sinks).float() - reference).abs().max().item()
                 result[way] = {"fwd_ms": cuda_time_ms(lambda: run(sinks)), "max_abs_err": error, "plans": plan_names()}
     finally:
-        cudnn_ops.SINK_FORWARD = saved
+        plan.sink_forward = saved
     for way in ("engine", "fold"):
         result[way]["vs no sinks"] = result[way]["fwd_ms"] / result["no sinks"]["fwd_ms"]
     return result

@@ -2,7 +2,7 @@
 
 The H200 machine's host is shared and noisy (the same code moved by up to 45% between two processes), so this
 measures the project's own Python on any machine: ``cudnn_forward`` with a resolved plan of stand-in graphs, whose
-launch builds the operand pointer array as ``cudnn_graphs.execute`` does and stops there, for a no-grad forward, a
+launch builds the operand pointer array as ``launch.execute`` does and stops there, for a no-grad forward, a
 forward with grad-requiring inputs (through the ``_EagerAttention`` node) and ``torch.autograd.grad`` through it
 (B=H=1, S=128, D=64, bf16 on the CPU). Microseconds per call, the least of ten round means (``attention_kernels.host_us_in_turns``).
 
@@ -17,8 +17,9 @@ import json
 
 import torch
 
-from cudnn_attention import cudnn_ops
+from cudnn_attention import cudnn_ops, launch
 from cudnn_attention.call import NO_LENGTHS, AttentionCall
+from cudnn_attention.plan import Plan
 from cudnn_attention.masking import make_mask_spec
 
 from attention_kernels import host_us_in_turns
@@ -47,15 +48,15 @@ def _us(fn, iters: int) -> float:
 
 
 def host_path_us(iters: int = 20000) -> dict:
-    saved = cudnn_ops.execute
-    cudnn_ops.execute = _launch_stand_in
+    saved = launch.execute
+    launch.execute = _launch_stand_in
     try:
         # Forward graphs take q, k, v, O (and the LSE when gradients follow); the backward's take nine operands.
-        no_grad_plan = cudnn_ops.Plan(_StandInGraph(4), None, False, False)
-        grad_plan = cudnn_ops.Plan(_StandInGraph(5), _StandInGraph(9), False, False)
+        no_grad_plan = Plan(_StandInGraph(4), None, False, False)
+        grad_plan = Plan(_StandInGraph(5), _StandInGraph(9), False, False)
         mask = make_mask_spec(causal=False, bottom_right=False, window_size=(-1, -1))
-        grad_call = AttentionCall(False, False, 0, 128, 128, 0.125, mask, False, True, True)
-        no_grad_call = grad_call._replace(need_lse=False, needs_grad=False)
+        grad_call = AttentionCall(packed=False, max_seqlen_q=128, max_seqlen_kv=128, scale=0.125, mask=mask, need_lse=True, needs_grad=True)
+        no_grad_call = grad_call.replace(need_lse=False, needs_grad=False)
         torch.manual_seed(0)
         q = torch.randn(1, 1, 128, 64, dtype=torch.bfloat16, requires_grad=True)
         forward = lambda plan, call: cudnn_ops.cudnn_forward(plan, call, q, q, q, sinks=None, lengths=NO_LENGTHS)  # noqa: E731
@@ -66,7 +67,7 @@ def host_path_us(iters: int = 20000) -> dict:
         grad_out = torch.randn_like(out)
         backward = _us(lambda: torch.autograd.grad(out, q, grad_out, retain_graph=True), iters // 4)
     finally:
-        cudnn_ops.execute = saved
+        launch.execute = saved
     return {"no-grad forward": no_grad, "grad forward": grad_forward, "backward": backward}
 
 

@@ -71,10 +71,10 @@ def _cu():
 
 def run_cudnn(layout, window, q, k, v, sinks, grad, sink_forward):
     import cudnn_attention
-    from cudnn_attention import cudnn_graphs, cudnn_ops
+    from cudnn_attention import cudnn_graphs, plan
 
-    if cudnn_ops.SINK_FORWARD != sink_forward:  # a plan is remembered with the choice in force when it was made
-        cudnn_ops.SINK_FORWARD = sink_forward
+    if plan.sink_forward() != sink_forward:  # the graphs built for the other choice are not needed again
+        plan.sink_forward = lambda: sink_forward
         cudnn_graphs.clear_cache()
     cudnn_attention.reset_stats()
     if layout == "packed":

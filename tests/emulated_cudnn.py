@@ -1,6 +1,6 @@
 """cuDNN's attention graphs emulated on CPU, so the Python around the launches runs without a GPU.
 
-The package's launch code (:mod:`cudnn_attention.cudnn_ops`: operands, stand-in operands, extra launches, masks,
+The package's launch code (:mod:`cudnn_attention.launch`: operands, stand-in operands, extra launches, masks,
 accumulation, the ops and their autograd) runs unchanged; only the graphs are replaced (:func:`emulated`), by
 float64 math that does what a graph does with the operands it is handed. The forward writes O and the LSE (the
 sink-inclusive ones when the graph has sinks); the backward recomputes the probabilities from the LSE it is
@@ -25,9 +25,10 @@ from typing import NamedTuple
 import torch
 from reference64 import _softmax_attention, dense_visibility, packed_visibility
 
-from cudnn_attention import _compat, api, cudnn_ops
+from cudnn_attention import _compat, cudnn_ops, launch
+from cudnn_attention import plan as plans
 from cudnn_attention.call import AttentionCall
-from cudnn_attention.cudnn_ops import Plan
+from cudnn_attention.plan import Plan
 
 __all__ = ["EmulatedGraph", "emulated", "plan_for"]
 
@@ -54,9 +55,9 @@ class EmulatedGraph:
 
 
 def plan_for(call: AttentionCall) -> Plan:
-    """The plan ``cudnn_ops._plan`` would resolve, with emulated graphs: the sink engine or the fold as
-    ``CUDNN_ATTENTION_SINK_FORWARD`` picks (``cudnn_ops._asks_sink_engine``)."""
-    folds = call.has_sinks and not cudnn_ops._asks_sink_engine(call)
+    """The plan ``plan.build_plan`` would resolve, with emulated graphs: the sink engine or the fold as
+    ``CUDNN_ATTENTION_SINK_FORWARD`` picks (``plan._asks_sink_engine``)."""
+    folds = call.has_sinks and not plans._asks_sink_engine(call)
     backward = EmulatedGraph("backward", call) if call.needs_grad else None
     forward = EmulatedGraph("forward", call, has_sinks=call.has_sinks and not folds)
     return Plan(forward, backward, folds, torch.are_deterministic_algorithms_enabled())
@@ -73,18 +74,18 @@ def emulated(monkeypatch, *, op: bool = False):
         launches[graph.spec.direction] += 1
         (_forward if graph.spec.direction == "forward" else _backward)(graph, operands)
 
-    monkeypatch.setattr(cudnn_ops, "execute", execute)
-    # As the real resolve_cudnn: no plan while torch.compile traces (the op is what the graph gets).
+    monkeypatch.setattr(launch, "execute", execute)
+    # As the real plan.resolve: no plan while torch.compile traces (the op is what the graph gets).
     def resolve(q, k, v, call):
         return (None, None) if torch.compiler.is_compiling() else (plan_for(call), None)
 
-    monkeypatch.setattr(api, "resolve_cudnn", resolve)
+    monkeypatch.setattr(plans, "resolve", resolve)
     if not op:
         yield launches
         return
     monkeypatch.setattr(cudnn_ops, "_eager_safe", lambda q, k, v: False)
-    monkeypatch.setattr(cudnn_ops, "_plan", lambda q, k, v, call, deterministic: plan_for(call))
-    monkeypatch.setattr(cudnn_ops, "_graph_for", lambda direction, q, k, v, call, deterministic: EmulatedGraph(direction, call))
+    monkeypatch.setattr(cudnn_ops, "build_plan", lambda q, k, v, call, deterministic: plan_for(call))
+    monkeypatch.setattr(cudnn_ops, "backward_graph", lambda q, k, v, call, deterministic: EmulatedGraph("backward", call))
     library = torch.library.Library("cudnn_attention", "IMPL")
     try:
         library.impl("forward", cudnn_ops._forward_cuda, "CPU")

@@ -12,7 +12,8 @@ import threading
 import torch
 import torch.nn.functional as F
 
-from cudnn_attention import _compat, sdpa_overrides
+from cudnn_attention import _compat
+from cudnn_attention import plan as plans
 from cudnn_attention.masking import MaskSpec
 from cudnn_attention.reference import dense_reference, varlen_reference
 
@@ -70,13 +71,15 @@ def _reference(q, k, v, cu_q, cu_kv, max_q, max_kv, scale, left, right, bottom_r
     return varlen_reference(q, k, v, cu_q, cu_kv, max_q, max_kv, scale=scale, mask=mask)
 
 
-def standin_forward(q, k, v, sinks, seqlens_q, seqlens_kv, cu_q, cu_kv, max_q, max_kv, scale, left, right, bottom_right, need_lse):
-    out, lse = _reference(q, k, v, cu_q, cu_kv, max_q, max_kv, scale, left, right, bottom_right)
+def standin_forward(q, k, v, sinks=None, seqlens_q=None, seqlens_kv=None, cu_q=None, cu_kv=None, *, scale, max_seqlen_q=0, max_seqlen_kv=0,
+                    window_left=-1, window_right=-1, bottom_right=False, need_lse=False):
+    out, lse = _reference(q, k, v, cu_q, cu_kv, max_seqlen_q, max_seqlen_kv, scale, window_left, window_right, bottom_right)
     return out, lse if need_lse else torch.empty(0)
 
 
-def standin_backward(grad_out, q, k, v, out, lse, grad_lse, sinks, seqlens_q, seqlens_kv, cu_q, cu_kv, max_q, max_kv, scale, left, right,
-                     bottom_right, deterministic):  # fmt: skip
+def standin_backward(grad_out, q, k, v, out, lse, grad_lse=None, sinks=None, seqlens_q=None, seqlens_kv=None, cu_q=None, cu_kv=None, *, scale,
+                     max_seqlen_q=0, max_seqlen_kv=0, window_left=-1, window_right=-1, bottom_right=False, deterministic=False):
+    max_q, max_kv, left, right = max_seqlen_q, max_seqlen_kv, window_left, window_right
     # The real backward reads lse with our forward's layout: (B, H, S) dense, (T, H) packed, contiguous.
     expected = (q.shape[0], q.shape[1]) if cu_q is not None else (q.shape[0], q.shape[1], q.shape[2])
     assert tuple(lse.shape) == expected and lse.is_contiguous() and lse.dtype == torch.float32, (lse.shape, lse.stride())
@@ -95,7 +98,7 @@ def standin_backward(grad_out, q, k, v, out, lse, grad_lse, sinks, seqlens_q, se
 @contextlib.contextmanager
 def our_ops_on_cpu(monkeypatch):
     """``cudnn_attention::forward``/``backward`` at the CPU key (the reference), and cuDNN accepting every call."""
-    monkeypatch.setattr(sdpa_overrides, "resolve_cudnn", lambda *args, **kwargs: (None, None))  # "cuDNN serves it"
+    monkeypatch.setattr(plans, "resolve", lambda *args, **kwargs: (None, None))  # "cuDNN serves it"
     ours = torch.library.Library("cudnn_attention", "IMPL")
     ours.impl("forward", standin_forward, "CPU")
     ours.impl("backward", standin_backward, "CPU")

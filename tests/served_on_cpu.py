@@ -10,6 +10,7 @@ from collections import Counter
 
 import pytest
 from cudnn_attention import api, cudnn_graphs
+from cudnn_attention import plan as plans
 from cudnn_attention.reference import dense_reference, varlen_reference
 
 
@@ -35,7 +36,7 @@ def served_on_cpu(monkeypatch):
         return dense_reference(q, k, v, scale=call.scale, mask=call.mask, sinks_H=sinks, seqlens_q_B=lengths.seqlens_q,
                                seqlens_kv_B=lengths.seqlens_kv)  # fmt: skip
 
-    monkeypatch.setattr(api, "resolve_cudnn", resolve)
+    monkeypatch.setattr(plans, "resolve", resolve)
     monkeypatch.setattr(api, "cudnn_forward", launch)
     cudnn_graphs.clear_cache()
     yield counts

@@ -9,7 +9,9 @@ from cudnn_attention.layouts import allocate_forward_outputs, like_layout_stride
 
 
 def _forward(q, k, v, *, packed=False, need_lse=True, cu=None, max_len=0):
-    return torch.ops.cudnn_attention.forward(q, k, v, None, None, None, cu, cu, max_len, max_len, 0.125, -1, 0, False, need_lse)
+    return torch.ops.cudnn_attention.forward(
+        q, k, v, cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max_len, max_seqlen_kv=max_len, scale=0.125, window_right=0, need_lse=need_lse
+    )
 
 
 def test_dense_fake_output_adopts_query_layout():
@@ -36,11 +38,11 @@ def test_packed_fake_shapes_and_backward_fake():
     out, lse = _forward(q, kv, kv, cu=cu, max_len=5)
     assert out.shape == (10, 4, 64) and out.is_contiguous() and lse.shape == (10, 4)
     sinks = torch.empty(4, device="meta")
-    options = (5, 5, 0.125, -1, 0, False, False)
-    dq, dk, dv, dsinks = torch.ops.cudnn_attention.backward(out, q, kv, kv, out, lse, None, sinks, None, None, cu, cu, *options)
+    options = dict(sinks=sinks, cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=5, max_seqlen_kv=5, scale=0.125, window_right=0)
+    dq, dk, dv, dsinks = torch.ops.cudnn_attention.backward(out, q, kv, kv, out, lse, **options)
     assert dq.shape == q.shape and dk.shape == kv.shape and dv.shape == kv.shape and dsinks.shape == (4,)
     # A loss that uses the LSE alone: no output gradient, an LSE one; the same outputs.
-    grads = torch.ops.cudnn_attention.backward(None, q, kv, kv, out, lse, lse, sinks, None, None, cu, cu, *options)
+    grads = torch.ops.cudnn_attention.backward(None, q, kv, kv, out, lse, lse, **options)
     assert [tuple(g.shape) for g in grads] == [tuple(t.shape) for t in (dq, dk, dv, dsinks)]
 
 
@@ -48,8 +50,7 @@ def test_dense_backward_fake_grads_adopt_input_layouts():
     q = torch.empty(2, 5, 4, 64, device="meta", dtype=torch.bfloat16).transpose(1, 2)
     k = torch.empty(2, 2, 5, 64, device="meta", dtype=torch.bfloat16)
     out, lse = _forward(q, k, k)
-    options = (5, 5, 0.125, -1, 0, False, False)
-    dq, dk, dv, dsinks = torch.ops.cudnn_attention.backward(out, q, k, k, out, lse, lse, None, None, None, None, None, *options)
+    dq, dk, dv, dsinks = torch.ops.cudnn_attention.backward(out, q, k, k, out, lse, lse, scale=0.125, window_right=0)
     assert dq.stride() == q.stride() and dk.stride() == k.stride() and dsinks.numel() == 0
 
 

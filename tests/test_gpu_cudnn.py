@@ -164,17 +164,17 @@ def test_packed_empty_documents_and_capacity_tail_are_zero():
 
 def _spy_on_fills(monkeypatch):
     """Record the ``zero_tails`` each packed allocation gets: whether the zero fill was skipped."""
-    from cudnn_attention import cudnn_ops
+    from cudnn_attention import launch
 
     fills = {"forward": [], "backward": []}
     for direction, name in (("forward", "allocate_forward_outputs"), ("backward", "allocate_backward_outputs")):
-        real = getattr(cudnn_ops, name)
+        real = getattr(launch, name)
 
         def spy(*args, _real=real, _seen=fills[direction], **kwargs):
             _seen.append(kwargs.get("zero_tails", True))
             return _real(*args, **kwargs)
 
-        monkeypatch.setattr(cudnn_ops, name, spy)
+        monkeypatch.setattr(launch, name, spy)
     return fills
 
 
@@ -197,9 +197,14 @@ def test_packed_outputs_without_their_fill_are_written_in_every_row(mask_name, s
 
 def test_the_poison_shows_a_fill_skipped_where_rows_are_unwritten(monkeypatch):
     # The test above is only as good as its poison: with the fill wrongly skipped for a capacity tail, the tail reads it.
-    from cudnn_attention import cudnn_ops
+    from cudnn_attention import api, call
+    from cudnn_attention.call import Lengths
 
-    monkeypatch.setattr(cudnn_ops, "_writes_every_row", lambda q, k, lengths: True)
+    def covering(cu_q, cu_kv, tokens_q, tokens_kv):
+        return Lengths(cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv, covers_every_token=True)
+
+    monkeypatch.setattr(call, "packed_lengths", covering)
+    monkeypatch.setattr(api, "packed_lengths", covering)
     q, k, v, _, cu_q, cu_kv, mq, mk = _packed_case([50, 31], tail=7)
     _poison_allocator(q, k, v)
     with torch.no_grad():
@@ -234,9 +239,9 @@ def test_packed_documents_do_not_leak():
 def test_prefix_sums_rewritten_in_place_are_read_anew(monkeypatch, sink_forward):
     # Lengths and offsets derived from cu_seqlens are kept on the tensor for every layer and backward of a batch
     # (tensor_memo); a loader that writes the next batch into the same buffers must not get the old documents.
-    from cudnn_attention import cudnn_ops
+    from cudnn_attention import plan
 
-    monkeypatch.setattr(cudnn_ops, "SINK_FORWARD", sink_forward)
+    monkeypatch.setattr(plan, "sink_forward", lambda: sink_forward)
     q, k, v, sinks, cu_q, cu_kv, _, _ = _packed_case(ODD_LENGTHS, sinks=True, tail=4)
     _check_packed(dict(causal=True, window_size=(40, 0)), q, k, v, sinks, cu_q, cu_kv, 300, 300)
     cu_q.copy_(torch.tensor([0, 100, 300, 350, 380, 508], dtype=cu_q.dtype))  # same buffers and graphs, other documents
@@ -450,12 +455,13 @@ CALLS = {
 def test_a_remembered_call_gives_the_fresh_calls_bits(monkeypatch, name):
     """The second call with one signature skips validation and plan resolution (it is remembered from the first)
     and must give the same outputs and gradients, bit for bit."""
-    from cudnn_attention import api, cudnn_graphs
+    from cudnn_attention import cudnn_graphs
+    from cudnn_attention import plan as plans
 
     fn, args, kwargs = CALLS[name](_dense_case("causal", 4, 64, torch.bfloat16, sinks=True), _packed_case(ODD_LENGTHS, sinks=True, tail=3))
     resolved = []
-    resolve = api.resolve_cudnn
-    monkeypatch.setattr(api, "resolve_cudnn", lambda *a: resolved.append(1) or resolve(*a))
+    resolve = plans.resolve
+    monkeypatch.setattr(plans, "resolve", lambda *a: resolved.append(1) or resolve(*a))
     cudnn_graphs.clear_cache()
     results = []
     for _ in range(2):
@@ -471,7 +477,7 @@ def test_a_remembered_call_gives_the_fresh_calls_bits(monkeypatch, name):
 
 
 def test_kept_workspaces_are_per_stream():
-    from cudnn_attention import cudnn_graphs
+    from cudnn_attention import cudnn_graphs, launch
 
     q, k, v, _ = _dense_case("causal", 4, 64, torch.bfloat16)
     cudnn_graphs.clear_cache()
@@ -481,7 +487,7 @@ def test_kept_workspaces_are_per_stream():
     with torch.cuda.stream(side):
         got = cudnn_attention.attention(q, k, v, causal=True)
     torch.cuda.current_stream().wait_stream(side)
-    streams = {stream for _, stream in cudnn_graphs._workspaces}
+    streams = {stream for _, stream in launch._workspaces}
     assert {torch.cuda.current_stream().cuda_stream, side.cuda_stream} <= streams
     assert torch.equal(want, got)
 
@@ -490,9 +496,6 @@ def test_opcheck_forward_and_backward_ops():
     q, k, v, sinks, cu_q, cu_kv, mq, mk = _packed_case([40, 17])
     dq, dk, dv, ds = _dense_case("causal", 4, 64, torch.bfloat16, sinks=True)
     sinks32 = ds.detach().float().requires_grad_()
-    torch.library.opcheck(
-        torch.ops.cudnn_attention.forward.default, (dq, dk, dv, sinks32, None, None, None, None, 203, 203, 0.125, -1, 0, False, True)
-    )
-    torch.library.opcheck(
-        torch.ops.cudnn_attention.forward.default, (q, k, v, None, None, None, cu_q, cu_kv, mq, mk, 0.125, 16, 0, False, True)
-    )
+    torch.library.opcheck(torch.ops.cudnn_attention.forward.default, (dq, dk, dv, sinks32), dict(scale=0.125, window_right=0, need_lse=True))
+    options = dict(cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv, max_seqlen_q=mq, max_seqlen_kv=mk, scale=0.125, window_left=16, window_right=0)
+    torch.library.opcheck(torch.ops.cudnn_attention.forward.default, (q, k, v), dict(options, need_lse=True))

@@ -1,4 +1,4 @@
-"""The LSE's gradient on cuDNN: one more launch of the backward graph (``cudnn_ops._run_backward``), on a GPU.
+"""The LSE's gradient on cuDNN: one more launch of the backward graph (``launch.run_backward``), on a GPU.
 
 Gradients of losses over the output and the LSE (random weights on every row, ``-inf`` rows included), or over
 the LSE alone, against float64 autograd of the independent reference, by FlashAttention's rule
@@ -15,7 +15,8 @@ from reference64 import compare_tensors, evaluate_call, reference_attention
 from sync_debug import warm_and_run
 
 import cudnn_attention
-from cudnn_attention import cudnn_ops
+from cudnn_attention import cudnn_ops, launch
+from cudnn_attention import plan as plans
 
 pytestmark = pytest.mark.gpu
 DEVICE = "cuda"
@@ -109,19 +110,19 @@ def test_packed_lse_gradients_match_float64(name, dtype, loss):
 @pytest.mark.parametrize("sink_forward", ["engine", "fold"])
 def test_dense_sink_forward_either_way(sink_forward, monkeypatch):
     # The sink engine and the fold hand the backward the same sink-inclusive LSE; the LSE's share reads it.
-    monkeypatch.setattr(cudnn_ops, "SINK_FORWARD", sink_forward)
+    monkeypatch.setattr(plans, "sink_forward", lambda: sink_forward)
     _served_and_ok("dense", *_dense_args(DENSE["padded_sinks_bottom_right"], torch.bfloat16), "out+lse")
 
 
 def _spy_on_launches(monkeypatch):
     launches = {"forward": 0, "backward": 0}
-    real = cudnn_ops.execute
+    real = launch.execute
 
     def spy(graph, operands, device_index):
         launches[graph.spec.direction] += 1
         return real(graph, operands, device_index)
 
-    monkeypatch.setattr(cudnn_ops, "execute", spy)
+    monkeypatch.setattr(launch, "execute", spy)
     return launches
 
 
@@ -174,8 +175,8 @@ def test_opcheck_with_the_lse_gradient():
     # -inf LSE rows included: a document without keys and a capacity tail) against eager's.
     (q, k, v, cu_q, cu_kv, mq, mk), _ = _packed_args(PACKED["queries_without_keys_window"], torch.bfloat16)
     sinks = torch.randn(q.shape[1], device=DEVICE, requires_grad=True)
-    args = (q, k, v, sinks, None, None, cu_q, cu_kv, mq, mk, 0.125, 32, 0, False, True)  # causal, window (32, 0)
-    torch.library.opcheck(torch.ops.cudnn_attention.forward.default, args)
+    options = dict(cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv, max_seqlen_q=mq, max_seqlen_kv=mk, scale=0.125, window_left=32, window_right=0)
+    torch.library.opcheck(torch.ops.cudnn_attention.forward.default, (q, k, v, sinks), dict(options, need_lse=True))  # causal, window (32, 0)
 
 
 @pytest.mark.parametrize("api", ["dense", "varlen"])

@@ -20,7 +20,8 @@ import pytest
 import torch
 
 import cudnn_attention
-from cudnn_attention import cudnn_graphs, cudnn_ops
+from cudnn_attention import cudnn_graphs
+from cudnn_attention import plan as plans
 from reference64 import evaluate_call
 
 pytestmark = pytest.mark.gpu
@@ -70,7 +71,7 @@ def _inputs(case: dict, seed: int):
 @pytest.mark.parametrize("sink_forward", ["fold", "engine"])
 @pytest.mark.parametrize("name", list(CASES))
 def test_packed_sinks_match_the_float64_reference(name, sink_forward, monkeypatch):
-    monkeypatch.setattr(cudnn_ops, "SINK_FORWARD", sink_forward)
+    monkeypatch.setattr(plans, "sink_forward", lambda: sink_forward)
     cudnn_graphs.clear_cache()
     for seed in range(3):
         cudnn_attention.reset_stats()

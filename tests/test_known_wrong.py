@@ -4,15 +4,17 @@ warned once) instead of returning wrong values; on CPU with a stand-in frontend,
 import pytest
 import torch
 
-from cudnn_attention import cudnn_graphs
+from cudnn_attention import cudnn_graphs, launch
 from cudnn_attention.cudnn_graphs import GraphRejected, GraphSpec, known_wrong
+from cudnn_attention.masking import MaskSpec
 
 
 def _spec(**changes) -> GraphSpec:
-    fields = dict(direction="backward", device_index=0, dtype=torch.bfloat16, batch=4, heads_q=16, heads_kv=4, seq_q=256, seq_kv=256,
-                  dim_qk=256, dim_v=128, q_strides=(), k_strides=(), v_strides=(), o_strides=(), grad_strides=(), scale=0.0625, left=-1,
-                  right=0, bottom_right=False, sinks=False, padded=False, packed=True, need_lse=True, total_q=1024, total_kv=1024,
-                  deterministic=False)  # fmt: skip
+    fields = dict(
+        direction="backward", device_index=0, dtype=torch.bfloat16, batch=4, heads_q=16, heads_kv=4, seq_q=256, seq_kv=256, dim_qk=256,
+        dim_v=128, q_strides=(), k_strides=(), v_strides=(), o_strides=(), scale=0.0625, mask=MaskSpec(-1, 0), packed=True, need_lse=True,
+        total_q=1024, total_kv=1024,
+    )
     return GraphSpec(**{**fields, **changes})
 
 
@@ -29,7 +31,7 @@ def test_graphs_measured_right_are_not(changes):
 
 def test_a_known_wrong_graph_is_a_cached_rejection_before_anything_is_built(monkeypatch):
     built = []
-    monkeypatch.setattr(cudnn_graphs, "_load_frontend", lambda: object())
+    monkeypatch.setattr(launch, "frontend", lambda: object())
     monkeypatch.setattr(cudnn_graphs, "_on_a_fresh_stack", lambda *args: built.append(args))
     cudnn_graphs.clear_cache()
     spec = _spec()

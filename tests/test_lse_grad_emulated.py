@@ -1,6 +1,6 @@
 """The cuDNN path's LSE gradient, checked without a GPU.
 
-cuDNN's backward graph takes no dLSE; ``cudnn_ops._run_backward`` gets the LSE's share of dQ and dK from one more
+cuDNN's backward graph takes no dLSE; ``launch.run_backward`` gets the LSE's share of dQ and dK from one more
 launch of the same graph on stand-in operands (``_lse_gradient_operands``: V' = 0, and O', dO' whose row dot
 product is -dLSE). Here (1) that identity is checked in float64 with plain torch formulas, (2) the stand-in
 operands are checked to carry dLSE to about 16 bits in bfloat16 and 22 in float16 over a wide range, and (3) the
@@ -18,7 +18,8 @@ from reference64 import dense_visibility, evaluate_call, reference_attention
 
 import cudnn_attention
 from cudnn_attention import cudnn_ops
-from cudnn_attention.cudnn_ops import _lse_gradient_operands, _lse_sink_gradient, _masked_lse_gradient
+from cudnn_attention import plan as plans
+from cudnn_attention.launch import _lse_gradient_operands, _lse_sink_gradient, _masked_lse_gradient
 
 # ----------------------------------------------------------------------------------------------
 # (1) The identity, in float64 with plain torch formulas
@@ -155,7 +156,7 @@ def _case(name, monkeypatch, dtype=torch.float64, seed=0):
     """``(api, args, kwargs)``; sets the sink forward the case asks for (the engine or the fold, else the default)."""
     api_name, case = CASES[name]
     if case.get("fold") or case.get("engine"):
-        monkeypatch.setattr(cudnn_ops, "SINK_FORWARD", "fold" if case.get("fold") else "engine")
+        monkeypatch.setattr(plans, "sink_forward", lambda: "fold" if case.get("fold") else "engine")
     torch.manual_seed(seed)
     H, H_kv, D = 4, case.get("h_kv", 2), 8
     sinks = torch.randn(H, requires_grad=True) if case.get("sinks") else None
@@ -211,9 +212,12 @@ def test_emulated_op_passes_opcheck(monkeypatch):
     # eager's (random gradients of both outputs, -inf LSE rows included).
     _, (q, k, v, cu_q, cu_kv, max_q, max_kv), kwargs = _case("packed_sinks_engine_queries_without_keys", monkeypatch)
     # The case's options (causal, window (3, 0)) as the op spells them: window_left 3, window_right 0.
-    args = (q, k, v, kwargs["sinks"], None, None, cu_q, cu_kv, max_q, max_kv, SCALE, 3, 0, False, True)
+    options = dict(
+        sinks=kwargs["sinks"], cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv, max_seqlen_q=max_q, max_seqlen_kv=max_kv, scale=SCALE, window_left=3,
+        window_right=0, need_lse=True,
+    )
     with emulated(monkeypatch, op=True) as launches:
-        torch.library.opcheck(torch.ops.cudnn_attention.forward.default, args)
+        torch.library.opcheck(torch.ops.cudnn_attention.forward.default, (q, k, v), options)
     assert launches["backward"] >= 2, "opcheck ran the backward, with the LSE's gradient"
 
 

@@ -94,7 +94,8 @@ def test_a_graph_build_or_rejection_does_not_pin_the_callers_tensors(monkeypatch
     import types
     import weakref
 
-    from cudnn_attention import cudnn_graphs
+    from cudnn_attention import cudnn_graphs, launch
+    from cudnn_attention.masking import MaskSpec
 
     def pygraph(**_):  # the frontend's pattern: the last mode's error kept in a local, and raised when every mode failed
         failure = None
@@ -106,13 +107,13 @@ def test_a_graph_build_or_rejection_does_not_pin_the_callers_tensors(monkeypatch
         raise failure
 
     frontend = types.SimpleNamespace(data_type=types.SimpleNamespace(HALF=0, BFLOAT16=1, FLOAT=2), pygraph=pygraph)
-    monkeypatch.setattr(cudnn_graphs, "_load_frontend", lambda: frontend)
-    monkeypatch.setattr(cudnn_graphs, "_bound_handle", lambda device_index: (None, 0))
+    monkeypatch.setattr(launch, "frontend", lambda: frontend)
+    monkeypatch.setattr(launch, "bound_handle", lambda device_index: (None, 0))
     monkeypatch.setattr(torch.cuda, "device", lambda index: contextlib.nullcontext())
-    spec = cudnn_graphs.GraphSpec(direction="forward", device_index=0, dtype=torch.bfloat16, batch=1, heads_q=2, heads_kv=2, seq_q=64,
-                                  seq_kv=64, dim_qk=64, dim_v=64, q_strides=(1,) * 4, k_strides=(1,) * 4, v_strides=(1,) * 4,
-                                  o_strides=(1,) * 4, grad_strides=(), scale=0.125, left=-1, right=0, bottom_right=False, sinks=False,
-                                  padded=False, packed=False, need_lse=False, total_q=0, total_kv=0, deterministic=False)  # fmt: skip
+    spec = cudnn_graphs.GraphSpec(
+        direction="forward", device_index=0, dtype=torch.bfloat16, batch=1, heads_q=2, heads_kv=2, seq_q=64, seq_kv=64, dim_qk=64, dim_v=64,
+        q_strides=(1,) * 4, k_strides=(1,) * 4, v_strides=(1,) * 4, o_strides=(1,) * 4, scale=0.125, mask=MaskSpec(-1, 0),
+    )
 
     def forward_that_builds():
         activation = torch.ones(1024)  # stands for a forward's activations, alive in a calling frame
@@ -135,6 +136,7 @@ def test_a_graph_build_or_rejection_does_not_pin_the_callers_tensors(monkeypatch
 
 def test_graph_builds_and_rejections_are_counted_with_their_time(monkeypatch):
     from cudnn_attention import cudnn_graphs
+    from cudnn_attention.masking import MaskSpec
 
     def fake_build(spec):
         if spec.batch == 3:
@@ -144,10 +146,10 @@ def test_graph_builds_and_rejections_are_counted_with_their_time(monkeypatch):
     monkeypatch.setattr(cudnn_graphs, "_build", fake_build)
     cudnn_graphs.clear_cache()
     cudnn_attention.reset_stats()
-    base = dict(device_index=0, dtype=torch.bfloat16, heads_q=2, heads_kv=2, seq_q=64, seq_kv=64, dim_qk=64, dim_v=64,
-                q_strides=(1,) * 4, k_strides=(1,) * 4, v_strides=(1,) * 4, o_strides=(1,) * 4, grad_strides=(), scale=0.125, left=-1,
-                right=0, bottom_right=False, sinks=False, padded=False, packed=True, need_lse=True, total_q=0, total_kv=0,
-                deterministic=False)  # fmt: skip
+    base = dict(
+        device_index=0, dtype=torch.bfloat16, heads_q=2, heads_kv=2, seq_q=64, seq_kv=64, dim_qk=64, dim_v=64, q_strides=(1,) * 4,
+        k_strides=(1,) * 4, v_strides=(1,) * 4, o_strides=(1,) * 4, scale=0.125, mask=MaskSpec(-1, 0), packed=True, need_lse=True,
+    )
     try:
         for direction in ("forward", "forward", "backward"):  # the second forward is a cache hit
             cudnn_graphs.get_graph(cudnn_graphs.GraphSpec(direction=direction, batch=1, **base))

@@ -21,6 +21,7 @@ import torch
 
 import cudnn_attention
 from cudnn_attention import _compat, provider, sdpa_overrides
+from cudnn_attention import plan as plans
 from provider_cpu import our_ops_on_cpu, per_document_reference
 
 RELEASES = json.loads((pathlib.Path(__file__).parent / "data" / "torch_varlen_schemas.json").read_text())["releases"]
@@ -238,7 +239,7 @@ def test_each_release_out_variant_writes_out(release_kernels, version):
 @pytest.mark.parametrize("version", WITH_VARLEN)
 def test_each_release_hands_torch_the_arguments_it_was_given(release_kernels, version, monkeypatch):
     # cuDNN declines: torch's own body must get exactly what the dispatcher passed (2.15: backend too).
-    monkeypatch.setattr(sdpa_overrides, "resolve_cudnn", lambda *args, **kwargs: (None, "declined in this test"))
+    monkeypatch.setattr(plans, "resolve", lambda *args, **kwargs: (None, "declined in this test"))
     ops, torch_kernels = release_kernels(version)
     values, _ = _call_values(version)
     forward_args = _arguments(_compat.op_schema(ops._varlen_attn), values)

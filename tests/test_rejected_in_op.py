@@ -18,8 +18,8 @@ def _rejecting(monkeypatch):
     def reject(*args, **kwargs):
         raise GraphRejected(REASON)
 
-    monkeypatch.setattr(cudnn_ops, "_plan", reject)
-    monkeypatch.setattr(cudnn_ops, "_graph_for", reject)
+    monkeypatch.setattr(cudnn_ops, "build_plan", reject)
+    monkeypatch.setattr(cudnn_ops, "backward_graph", reject)
 
 
 @pytest.mark.parametrize("packed", [False, True])

@@ -6,8 +6,9 @@ anything that decides the plan changes, and never be remembered when its inputs 
 import cudnn_attention
 import pytest
 import torch
-from cudnn_attention import cudnn_graphs, cudnn_ops
-from cudnn_attention.masking import effective_lengths, make_mask_spec
+from cudnn_attention import cudnn_graphs
+from cudnn_attention import plan as plans
+from cudnn_attention.masking import MaskSpec, effective_lengths, make_mask_spec
 from cudnn_attention.reference import dense_reference, varlen_reference
 
 
@@ -58,7 +59,7 @@ def test_what_decides_the_plan_resolves_again(served_on_cpu, monkeypatch, change
     elif change == "deterministic":
         monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
     elif change == "sink forward":
-        monkeypatch.setattr(cudnn_ops, "SINK_FORWARD", "fold")
+        monkeypatch.setattr(plans, "sink_forward", lambda: "fold")
     elif change == "dtype":
         q, k, v = q.double(), k.double(), v.double()
     elif change == "strides":
@@ -96,8 +97,10 @@ def test_calls_that_are_not_remembered(served_on_cpu, monkeypatch, why):
 
 
 def _spec(n: int) -> cudnn_graphs.GraphSpec:
-    return cudnn_graphs.GraphSpec("forward", 0, torch.bfloat16, 1, n, n, 64, 64, 64, 64, (), (), (), (), (), 0.125, -1, 0, False, False, False,
-                                  False, False, 0, 0, False)  # fmt: skip
+    return cudnn_graphs.GraphSpec(
+        direction="forward", device_index=0, dtype=torch.bfloat16, batch=1, heads_q=n, heads_kv=n, seq_q=64, seq_kv=64, dim_qk=64, dim_v=64,
+        q_strides=(), k_strides=(), v_strides=(), o_strides=(), scale=0.125, mask=MaskSpec(-1, 0),
+    )
 
 
 def test_memo_entries_go_with_their_graphs_and_stay_bounded(monkeypatch):
@@ -115,10 +118,10 @@ def test_memo_entries_go_with_their_graphs_and_stay_bounded(monkeypatch):
         assert cudnn_graphs.memoized("both") is None and cudnn_graphs.memoized("three") == "plan of 3"
         cudnn_graphs.memoize("one again", "plan of 1", (_spec(1),))  # graph 1 is gone: nothing is kept for it
         assert cudnn_graphs.memoized("one again") is None
-        for i in range(6):  # one graph, many signatures (a packed call's token count changes every step)
+        for i in range(6):  # one graph, many keys (a packed call's token count changes every step)
             cudnn_graphs.memoize(("tokens", i), i, (_spec(3),))
         kept = [i for i in range(6) if cudnn_graphs.memoized(("tokens", i)) is not None]
         assert len(cudnn_graphs._by_call) == 4 and kept == [2, 3, 4, 5]  # the oldest went first, "three" among them
-        assert cudnn_graphs._signatures[_spec(3)] == {("tokens", i) for i in kept}  # forgotten ones are no longer listed
+        assert cudnn_graphs._holders[_spec(3)] == {("tokens", i) for i in kept}  # forgotten ones are no longer listed
     finally:
         cudnn_graphs.clear_cache()

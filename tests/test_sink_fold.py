@@ -6,9 +6,9 @@ alone) and absent rows (padding, capacity tails, documents without keys: they se
 import pytest
 import torch
 
-from cudnn_attention import cudnn_ops
+from cudnn_attention import plan as plans
 from cudnn_attention.call import AttentionCall
-from cudnn_attention.cudnn_ops import _packed_absent_rows
+from cudnn_attention.launch import _packed_absent_rows
 from cudnn_attention.fused_sinks import fold_sinks
 from cudnn_attention.masking import effective_lengths, make_mask_spec
 from cudnn_attention.reference import dense_reference, varlen_reference
@@ -74,7 +74,10 @@ def _sink_call(*, packed: bool, needs_grad: bool) -> tuple[torch.Tensor, Attenti
     """A causal sink call of 16 packed tokens in 2 documents, or a dense (1, 2, 8, 8) one, with its q (also k and v)."""
     mask = make_mask_spec(causal=True, bottom_right=False, window_size=(-1, -1))
     q = torch.zeros(16, 2, 8) if packed else torch.zeros(1, 2, 8, 8)
-    return q, AttentionCall(packed, False, 2 if packed else 0, 8, 8, 0.25, mask, True, False, needs_grad)
+    return q, AttentionCall(
+        packed=packed, documents=2 if packed else 0, max_seqlen_q=8, max_seqlen_kv=8, scale=0.25, mask=mask, has_sinks=True,
+        needs_grad=needs_grad,
+    )
 
 
 @pytest.mark.parametrize(
@@ -86,20 +89,20 @@ def test_sink_forward_setting_picks_the_graph(monkeypatch, setting, packed, engi
     # one takes 2-4x the sink-less forward) and dense ones ask the sink engine first.
     requested = []
 
-    def graph_for(direction, q, k, v, call, deterministic):
+    def graph_for(direction, call, q, k, v, *, deterministic):
         requested.append((direction, call.has_sinks, call.need_lse))
         return direction
 
-    monkeypatch.setattr(cudnn_ops, "SINK_FORWARD", setting)
-    monkeypatch.setattr(cudnn_ops, "_graph_for", graph_for)
+    monkeypatch.setattr(plans, "sink_forward", lambda: setting)
+    monkeypatch.setattr(plans, "graph_for", graph_for)
     q, call = _sink_call(packed=packed, needs_grad=True)
-    plan = cudnn_ops._plan(q, q, q, call, False)
+    plan = plans.build_plan(q, q, q, call, deterministic=False)
     forward = ("forward", True, False) if engine_first else ("forward", False, True)  # the fold needs the sink-less LSE
     assert requested == [forward, ("backward", True, False)] and plan.folds_sinks is not engine_first
 
 
 def test_unknown_sink_forward_setting_is_named(monkeypatch):
-    monkeypatch.setattr(cudnn_ops, "SINK_FORWARD", "fused")
+    monkeypatch.setattr(plans, "_SINK_FORWARD", "fused")
     q, call = _sink_call(packed=True, needs_grad=False)
     with pytest.raises(ValueError, match="CUDNN_ATTENTION_SINK_FORWARD='fused'"):
-        cudnn_ops._plan(q, q, q, call, False)
+        plans.build_plan(q, q, q, call, deterministic=False)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from cudnn_attention import tensor_memo
-from cudnn_attention.cudnn_ops import _memoized, _ragged_operands
+from cudnn_attention.launch import _memoized, _ragged_operands
 
 
 def test_a_kept_value_is_dropped_by_any_write_to_its_tensors():
@@ -95,8 +95,7 @@ def test_packing_from_position_ids_knows_its_prefix_sums_cover_every_token():
 @pytest.mark.parametrize("case", ["covered", "tail", "two tensors", "kv tokens differ"])
 def test_packed_outputs_skip_their_zero_fill_only_when_the_kernel_writes_every_row(case):
     from cudnn_attention import validation
-    from cudnn_attention.call import Lengths
-    from cudnn_attention.cudnn_ops import _writes_every_row
+    from cudnn_attention.call import packed_lengths
 
     q = torch.empty(8, 2, 4)
     cu = torch.tensor([0, 3, 8], dtype=torch.int32)
@@ -110,4 +109,4 @@ def test_packed_outputs_skip_their_zero_fill_only_when_the_kernel_writes_every_r
         k = torch.empty(9, 2, 4)
     if case not in ("tail", "two tensors"):
         validation.note_every_token_covered(cu, cu_kv, q.shape[0], k.shape[0])
-    assert _writes_every_row(q, k, Lengths(None, None, cu, cu_kv)) is (case == "covered")
+    assert packed_lengths(cu, cu_kv, q.shape[0], k.shape[0]).covers_every_token is (case == "covered")

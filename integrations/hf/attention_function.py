@@ -23,7 +23,8 @@ from __future__ import annotations
 import torch
 
 from ... import tensor_memo, validation
-from ...api import _needs_grad, attention, varlen_attention
+from ...api import attention, varlen_attention
+from ...call import needs_grad as _needs_grad
 from ...policy import fallback_in_graph, fallback_output, note_fallback
 from .eager_fallback import eager_equivalent, keep_mask_4d
 from .mask_function import check_padding_mask, is_tracing, pad_keys, query_positions
