@@ -243,9 +243,9 @@ def flash_style_dsinks(out_ref, lse_ref, grad_out, sinks, low_dtype, grad_lse=No
     """dSink as a fused kernel computes it: ``-sum_rows exp(sink - lse) * rowsum(dO * O)`` with the exact
     LSE but O rounded to ``low_dtype`` (what any kernel hands its backward), in float64, then rounded to
     the sinks' dtype. Rounding O alone costs dSink more than the autograd of a low-precision reference
-    in small problems, so this is the fair noise level for dSink (issue 11, item 13). With ``grad_lse``
-    (a loss that uses the LSE) the exact ``sum_rows exp(sink - lse) * dLSE`` joins it: the LSE depends
-    on the sink, and that term involves no rounded O."""
+    in small problems, and no kernel can read a better O than its own, so this is the fair noise level
+    for dSink. With ``grad_lse`` (a loss that uses the LSE) the exact ``sum_rows exp(sink - lse) * dLSE``
+    joins it: the LSE depends on the sink, and that term involves no rounded O."""
     o_low = out_ref.detach().to(low_dtype).double()
     lse = lse_ref.detach().double()
     sinks_view = sinks.detach().double().view(1, -1, 1) if lse.dim() == 3 else sinks.detach().double().view(1, -1)
@@ -263,7 +263,7 @@ def implied_dsinks_error(out_got, out_ref, lse_ref, grad_out, sinks) -> float:
     dSink is linear in O (``-sum_rows exp(sink - lse) * rowsum(dO * O)``), so the output's error,
     which the ``out`` check judges on its own, moves dSink by exactly this much; a fused kernel reads
     its own O (it cannot read a better one). In small bf16 problems this exceeds twice the rounding
-    of an exact O (issue 11, item 13), while the reduction itself is exact to float32 (see
+    of an exact O, while the reduction itself is exact to float32 (see
     ``test_gpu_reliability.py::test_dsink_error_over_a_grid``)."""
     if out_got is None or tuple(out_got.shape) != tuple(out_ref.shape):
         return 0.0

@@ -1,4 +1,4 @@
-"""Regression tests for inputs the cuDNN path once served wrong or faulted on (issue 11), on the GPU.
+"""Regression tests for inputs the cuDNN path once served wrong or faulted on, on the GPU.
 
 Each is checked against the package's fp32 reference (which the CPU suite pins to the float64
 naive one) or against a plain identity, and, where a fault is possible, in a subprocess so that a
@@ -198,10 +198,10 @@ _DSINK_GRID = [  # (layout, lengths, H, H_kv, D, causal, window_left); bf16 q/k/
 
 
 def test_dsink_error_over_a_grid(capsys):
-    """Issue 11, item 13: the dSink reduction is float32 end to end. Over a grid of sizes, dSink equals the
+    """The dSink reduction is float32 end to end. Over a grid of sizes, dSink equals the
     float64 identity applied to the kernel's own O and LSE to float32 accuracy, and its error against the
     float64 reference is what the kernel's bf16 O implies (printed beside the flash-style and bf16-autograd
-    errors, the table in the closing note)."""
+    errors, as a table)."""
     from reference64 import compare_tensors, flash_style_dsinks, implied_dsinks_error, reference_attention, reference_varlen_attention
 
     rows = []
@@ -256,7 +256,8 @@ def test_dsink_error_over_a_grid(capsys):
 
 
 def test_a_short_script_exits_without_the_frontends_leak_report():
-    # Issue 14, item 11: nanobind reports every frontend instance alive at interpreter teardown (hundreds of lines).
+    # nanobind reports every frontend instance still alive at interpreter teardown (hundreds of lines on stderr); a short
+    # script must exit without that report, or every user's run would end in it.
     result = run_python("""
         import torch, cudnn_attention
         q = torch.randn(2, 4, 64, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
