@@ -6,6 +6,7 @@ explicit boolean mask (query ``i`` sees key ``j`` iff ``i + S_kv - S_q - left <=
 come from autograd through it. ``test_gpu_flash_attn_interface.py`` runs the same calls on cuDNN.
 """
 
+import inspect
 import math
 import random
 
@@ -86,6 +87,40 @@ def leaves(*shapes, seed):
 def no_kernel_ran():
     stats = cudnn_attention.stats()
     return stats["cudnn_forward"] == 0 and not stats["fallback_forward"]
+
+
+# ----------------------------------------------------------------------------------------------
+# Signatures
+# ----------------------------------------------------------------------------------------------
+
+_VARLEN = "cu_seqlens_q cu_seqlens_k max_seqlen_q max_seqlen_k"
+_COMMON = "dropout_p=0.0 softmax_scale=None causal=False window_size=(-1, -1) softcap=0.0 alibi_slopes=None deterministic=False"
+# FlashAttention 2's parameters in order, with their defaults (flash_attn/flash_attn_interface.py, 2.8.4).
+FA2_SIGNATURES = {
+    "flash_attn_func": f"q k v {_COMMON} return_attn_probs=False",
+    "flash_attn_qkvpacked_func": f"qkv {_COMMON} return_attn_probs=False",
+    "flash_attn_kvpacked_func": f"q kv {_COMMON} return_attn_probs=False",
+    "flash_attn_varlen_func": f"q k v {_VARLEN} {_COMMON} return_attn_probs=False block_table=None",
+    "flash_attn_varlen_qkvpacked_func": f"qkv cu_seqlens max_seqlen {_COMMON} return_attn_probs=False",
+    "flash_attn_varlen_kvpacked_func": f"q kv {_VARLEN} {_COMMON} return_attn_probs=False",
+    "flash_attn_with_kvcache": "q k_cache v_cache k=None v=None rotary_cos=None rotary_sin=None cache_seqlens=None cache_batch_idx=None "
+    "cache_leftpad=None block_table=None softmax_scale=None causal=False window_size=(-1, -1) softcap=0.0 rotary_interleaved=True "
+    "alibi_slopes=None num_splits=0 return_softmax_lse=False",
+}
+
+
+@pytest.mark.parametrize("name", sorted(FA2_SIGNATURES))
+def test_positional_parameters_are_flash_attention_2s(name):
+    """Positional calls written for FlashAttention 2 bind the same way; ``learnable_sink`` is keyword-only."""
+    parameters = inspect.signature(getattr(fai, name)).parameters.values()
+    positional = [p.name if p.default is p.empty else f"{p.name}={p.default!r}" for p in parameters if p.kind is p.POSITIONAL_OR_KEYWORD]
+    assert " ".join(positional) == FA2_SIGNATURES[name]
+    assert [p.name for p in parameters if p.kind is p.KEYWORD_ONLY] == ["learnable_sink"]
+
+
+def test_exported_from_the_package():
+    assert "flash_attn_interface" in cudnn_attention.__all__ and cudnn_attention.flash_attn_interface is fai
+    assert sorted(fai.__all__) == sorted(FA2_SIGNATURES)
 
 
 # ----------------------------------------------------------------------------------------------
