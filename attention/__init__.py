@@ -11,9 +11,12 @@ Importing this package registers the ``cudnn_attention::forward``/``backward`` o
 (``cudnn_attention.integrations.hf.unregister()`` removes it); it imports neither transformers nor the
 integrations (if transformers' modeling code is loaded already, the name is registered at once instead), and
 changes nothing else. The cuDNN frontend is imported on the first GPU call.
+
+FlashAttention-style code swaps one import: :mod:`cudnn_attention.flash_attn_interface` has ``flash_attn_func``,
+``flash_attn_varlen_func`` and their packed and KV-cache variants, with FlashAttention's arguments.
 """
 
-from . import _transformers_hook
+from . import _transformers_hook, flash_attn_interface
 from .api import attention, varlen_attention
 from .policy import CudnnAttentionFallbackWarning, StrictModeError, flat_stats, is_strict, reset_stats, set_strict, stats, strict
 from .provider import ProviderConflictError, ProviderConflictWarning, ProviderHandle, enabled, install
@@ -28,6 +31,7 @@ __all__ = [
     "StrictModeError",
     "attention",
     "enabled",
+    "flash_attn_interface",
     "flat_stats",
     "install",
     "is_strict",
