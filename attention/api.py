@@ -36,6 +36,7 @@ def attention(
     seqlens_q: torch.Tensor | None = None,
     seqlens_kv: torch.Tensor | None = None,
     return_lse: bool = False,
+    deterministic: bool | None = None,
     validate: bool = False,
 ):
     """Scaled dot-product attention over dense (B, H, S, D) tensors, on cuDNN when it can serve the call.
@@ -61,6 +62,9 @@ def attention(
             holds), and their LSE is float64 too. Differentiable, through q, k and the sinks (a loss may
             use it, e.g. ``out * sigmoid(lse - sink)``); its ``-inf`` rows pass no gradient on. On cuDNN
             a loss that uses it costs one more launch of the backward kernel; one that does not, nothing.
+        deterministic: run this call's backward with cuDNN's deterministic algorithm (True) or its
+            fastest one (False); None (the default) follows ``torch.are_deterministic_algorithms_enabled()``
+            as it reads when the backward runs. The forward is deterministic either way.
         validate: also check lengths against the shapes on the host. This synchronizes with the
             device, so it is off by default.
 
@@ -79,7 +83,7 @@ def attention(
     key = None
     if not validate:
         options = argument_options(q, k, v, scale, causal, bottom_right, window_size, sinks, return_lse, (seqlens_q, seqlens_kv), (),
-                                   plans.sink_forward())
+                                   plans.sink_forward(), (deterministic,))
         key = None if options is None else served_key(options, q, k, v)
     served = None if key is None else memoized(key)
     if served is not None:
@@ -89,7 +93,7 @@ def attention(
     else:
         prepared = prepare_dense(
             q, k, v, scale=scale, causal=causal, bottom_right=bottom_right, window_size=window_size, sinks=sinks, seqlens_q=seqlens_q,
-            seqlens_kv=seqlens_kv, return_lse=return_lse, validate=validate, key=key,
+            seqlens_kv=seqlens_kv, return_lse=return_lse, validate=validate, key=key, deterministic=deterministic,
         )
         out, lse = serve(prepared)
     return (out, lse) if return_lse else out
@@ -110,6 +114,7 @@ def varlen_attention(
     window_size: tuple[int, int] = (-1, -1),
     sinks: torch.Tensor | None = None,
     return_lse: bool = False,
+    deterministic: bool | None = None,
     validate: bool = False,
 ):
     """Attention over packed documents: (T, H, D) tensors and int32/int64 prefix sums of lengths.
@@ -136,7 +141,7 @@ def varlen_attention(
     key = None
     if not validate:
         options = argument_options(q, k, v, scale, causal, bottom_right, window_size, sinks, return_lse, (cu_seqlens_q, cu_seqlens_kv),
-                                   (max_seqlen_q, max_seqlen_kv), plans.sink_forward())
+                                   (max_seqlen_q, max_seqlen_kv), plans.sink_forward(), (deterministic,))
         key = None if options is None else served_key(options, q, k, v)
     served = None if key is None else memoized(key)
     if served is not None:  # its q/k/v were token-major already (else they would have been copied, and the call not remembered)
@@ -148,7 +153,7 @@ def varlen_attention(
         prepared = prepare_packed(
             q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv, max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv,
             scale=scale, causal=causal, bottom_right=bottom_right, window_size=window_size, sinks=sinks, return_lse=return_lse,
-            validate=validate, key=key,
+            validate=validate, key=key, deterministic=deterministic,
         )
         out, lse = serve(prepared)
     return (out, lse) if return_lse else out

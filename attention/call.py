@@ -24,12 +24,17 @@ from .masking import MaskSpec, effective_lengths, make_mask_spec
 
 __all__ = [
     "NO_LENGTHS",
+    "OP_OPTIONS",
+    "OP_TAIL_SCHEMA",
     "AttentionCall",
     "Lengths",
     "Prepared",
+    "argument_options",
     "from_op_args",
     "needs_grad",
     "op_args",
+    "packed_lengths",
+    "padding_lengths",
     "prepare_aten",
     "prepare_dense",
     "prepare_packed",
@@ -56,9 +61,15 @@ class AttentionCall:
     has_sinks: bool = False
     need_lse: bool = False  # the caller wants the LSE, or the backward will need it
     needs_grad: bool = False
+    deterministic: bool | None = None  # the backward's algorithm; None: torch's setting when the backward runs
 
     def replace(self, **changes) -> AttentionCall:
         return dataclasses.replace(self, **changes)
+
+    def backward_deterministic(self) -> bool:
+        """Whether the backward runs cuDNN's deterministic algorithm: the call's own ``deterministic``, else
+        ``torch.are_deterministic_algorithms_enabled()`` as it reads now."""
+        return self.deterministic if self.deterministic is not None else torch.are_deterministic_algorithms_enabled()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
@@ -131,11 +142,11 @@ def served_key(options: tuple, q, k, v) -> tuple:
     return options, tensor_geometry(q, k, v), torch.are_deterministic_algorithms_enabled()
 
 
-def argument_options(q, k, v, scale, causal, bottom_right, window_size, sinks, return_lse, index_tensors, ints, sink_forward):
+def argument_options(q, k, v, scale, causal, bottom_right, window_size, sinks, return_lse, index_tensors, ints, sink_forward, options):
     """The options part of an argument key (:func:`served_key`), or None (validate every time) for tensor
     subclasses, options of other types than the documented ones (``True == 1`` and ``1.0 == 1`` as keys, but
     validation tells them apart) and while tracing. ``index_tensors``: the index tensors (their shapes,
-    dtypes and devices go in); ``ints``: the packed maxima."""
+    dtypes and devices go in); ``ints``: the packed maxima; ``options``: the values of :data:`OP_OPTIONS`."""
     if type(q) is not torch.Tensor or type(k) is not torch.Tensor or type(v) is not torch.Tensor:
         return None
     if not (scale is None or type(scale) is float) or type(causal) is not bool or type(bottom_right) is not bool:
@@ -155,11 +166,14 @@ def argument_options(q, k, v, scale, causal, bottom_right, window_size, sinks, r
     for n in ints:
         if type(n) is not int:
             return None
+    for value in options:
+        if not (value is None or type(value) is bool):
+            return None
     if torch.compiler.is_compiling():
         return None
     sinks_key = None if sinks is None else (sinks.shape, sinks.dtype, sinks.device)
     grad = needs_grad(q, k, v, sinks)
-    return ("arguments", scale, causal, bottom_right, window_size, bool(return_lse), grad, sinks_key, tuple(index_key), ints, sink_forward)
+    return ("arguments", scale, causal, bottom_right, window_size, bool(return_lse), grad, sinks_key, tuple(index_key), ints, sink_forward, options)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -176,12 +190,13 @@ def padding_lengths(seqlens_q, seqlens_kv, B: int, S_q: int, S_kv: int, device) 
 
 
 def prepare_dense(
-    q, k, v, *, scale, causal, bottom_right, window_size, sinks, seqlens_q, seqlens_kv, return_lse, validate, grad=None, key=None
+    q, k, v, *, scale, causal, bottom_right, window_size, sinks, seqlens_q, seqlens_kv, return_lse, validate, grad=None, key=None, **options
 ) -> Prepared:
     """Validate a dense (B, H, S, D) call (see :func:`cudnn_attention.attention`; errors name the value).
 
     ``grad``: whether a backward follows (None: from the tensors, :func:`needs_grad`). ``key``: the
-    arguments' key, kept only if no tensor had to be replaced on the way."""
+    arguments' key, kept only if no tensor had to be replaced on the way. ``options``: the call's
+    :data:`OP_OPTIONS` other than the scale, as the caller passed them."""
     given = (q, k, v)
     q, k, v = validation.check_qkv(q, k, v, packed=False)
     mask = make_mask_spec(causal=causal, bottom_right=bottom_right, window_size=window_size)
@@ -199,14 +214,14 @@ def prepare_dense(
     grad = needs_grad(q, k, v, sinks) if grad is None else grad
     call = AttentionCall(
         packed=False, padded=padded, max_seqlen_q=S_q, max_seqlen_kv=S_kv, scale=scale, mask=mask, has_sinks=sinks is not None,
-        need_lse=return_lse or grad, needs_grad=grad,
+        need_lse=return_lse or grad, needs_grad=grad, **_checked(options),
     )
     return Prepared(call, q, k, v, sinks, lengths, key if _unchanged(given, q, k, v) else None)
 
 
 def prepare_packed(
     q, k, v, *, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, scale, causal, bottom_right, window_size, sinks, return_lse,
-    validate, grad=None, key=None,
+    validate, grad=None, key=None, **options,
 ) -> Prepared:
     """Validate a packed (T, H, D) call (see :func:`cudnn_attention.varlen_attention`), as
     :func:`prepare_dense` does a dense one. A training call's q/k/v become token-major (see
@@ -223,7 +238,7 @@ def prepare_packed(
         q, k, v = token_major(q), token_major(k), token_major(v)
     call = AttentionCall(
         packed=True, documents=cu_seqlens_q.shape[0] - 1, max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv, scale=scale, mask=mask,
-        has_sinks=sinks is not None, need_lse=return_lse or grad, needs_grad=grad,
+        has_sinks=sinks is not None, need_lse=return_lse or grad, needs_grad=grad, **_checked(options),
     )
     lengths = packed_lengths(cu_seqlens_q, cu_seqlens_kv, q.shape[0], k.shape[0])
     return Prepared(call, q, k, v, sinks, lengths, key if _unchanged(given, q, k, v) else None)
@@ -263,6 +278,16 @@ def prepare_aten(
     )
 
 
+def _checked(options: dict) -> dict:
+    """The call's :data:`OP_OPTIONS` (but the scale, checked apart) as passed, each a bool or None (every one so far)."""
+    for name, value in options.items():
+        if name not in OP_OPTIONS or name == "scale":
+            raise TypeError(f"unexpected option {name!r}")
+        if not (value is None or type(value) is bool):
+            raise TypeError(f"{name} must be a bool or None, got {value!r} ({type(value).__name__})")
+    return options
+
+
 def _unchanged(given, q, k, v) -> bool:
     # Identity, not ==: a tuple compares unequal tensors elementwise.
     return given[0] is q and given[1] is k and given[2] is v
@@ -274,10 +299,13 @@ def _unchanged(given, q, k, v) -> bool:
 
 # The ops' arguments after q/k/v (and, in the backward, out/lse/grad_lse), shared by both schemas: tensors positional
 # with defaults (torch's autograd registration differentiates positional tensors only, and the sinks need a gradient),
-# the rest keyword-only. A new option of the call is one more entry here and in op_args/from_op_args.
+# the rest keyword-only. The call's options the ops take as they are, by the same name (OP_OPTIONS), close the tail:
+# a new one is one more entry there and one more field of AttentionCall.
+OP_OPTIONS = {"scale": "float scale", "deterministic": "bool? deterministic=None"}
 OP_TAIL_SCHEMA = (
     "Tensor? sinks=None, Tensor? seqlens_q=None, Tensor? seqlens_kv=None, Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_kv=None, "
-    "*, float scale, int max_seqlen_q=0, int max_seqlen_kv=0, int window_left=-1, int window_right=-1, bool bottom_right=False"
+    "*, int max_seqlen_q=0, int max_seqlen_kv=0, int window_left=-1, int window_right=-1, bool bottom_right=False, "
+    + ", ".join(OP_OPTIONS.values())
 )
 
 
@@ -286,21 +314,23 @@ def op_args(call: AttentionCall, lengths: Lengths, sinks) -> dict:
     mask = call.mask
     return dict(
         sinks=sinks, seqlens_q=lengths.seqlens_q, seqlens_kv=lengths.seqlens_kv, cu_seqlens_q=lengths.cu_seqlens_q,
-        cu_seqlens_kv=lengths.cu_seqlens_kv, scale=call.scale, max_seqlen_q=call.max_seqlen_q if call.packed else 0,
+        cu_seqlens_kv=lengths.cu_seqlens_kv, max_seqlen_q=call.max_seqlen_q if call.packed else 0,
         max_seqlen_kv=call.max_seqlen_kv if call.packed else 0, window_left=mask.left, window_right=mask.right, bottom_right=mask.bottom_right,
+        **{name: getattr(call, name) for name in OP_OPTIONS},
     )
 
 
 def from_op_args(
-    q, k, *, need_lse: bool, grad: bool, sinks=None, seqlens_q=None, seqlens_kv=None, cu_seqlens_q=None, cu_seqlens_kv=None, scale: float,
-    max_seqlen_q: int = 0, max_seqlen_kv: int = 0, window_left: int = -1, window_right: int = -1, bottom_right: bool = False,
+    q, k, *, need_lse: bool, grad: bool, sinks=None, seqlens_q=None, seqlens_kv=None, cu_seqlens_q=None, cu_seqlens_kv=None,
+    max_seqlen_q: int = 0, max_seqlen_kv: int = 0, window_left: int = -1, window_right: int = -1, bottom_right: bool = False, **options,
 ) -> tuple[AttentionCall, Lengths]:
-    """The call value and its lengths, rebuilt from the ops' arguments (:func:`op_args`)."""
+    """The call value and its lengths, rebuilt from the ops' arguments (:func:`op_args`; ``options``: the
+    :data:`OP_OPTIONS`, which the dispatcher leaves out where they hold their defaults)."""
     packed = cu_seqlens_q is not None
     call = AttentionCall(
         packed=packed, padded=seqlens_q is not None, documents=cu_seqlens_q.shape[0] - 1 if packed else 0,
-        max_seqlen_q=max_seqlen_q if packed else q.shape[2], max_seqlen_kv=max_seqlen_kv if packed else k.shape[2], scale=scale,
-        mask=MaskSpec(window_left, window_right, bottom_right), has_sinks=sinks is not None, need_lse=need_lse, needs_grad=grad,
+        max_seqlen_q=max_seqlen_q if packed else q.shape[2], max_seqlen_kv=max_seqlen_kv if packed else k.shape[2],
+        mask=MaskSpec(window_left, window_right, bottom_right), has_sinks=sinks is not None, need_lse=need_lse, needs_grad=grad, **options,
     )
     if packed:
         return call, packed_lengths(cu_seqlens_q, cu_seqlens_kv, q.shape[0], k.shape[0])

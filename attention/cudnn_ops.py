@@ -39,7 +39,7 @@ _lib = torch.library.Library("cudnn_attention", "FRAGMENT")
 _lib.define(f"forward(Tensor q, Tensor k, Tensor v, {OP_TAIL_SCHEMA}, bool need_lse=False) -> (Tensor out, Tensor lse)")
 _lib.define(
     "backward(Tensor? grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? grad_lse=None, "
-    f"{OP_TAIL_SCHEMA}, bool deterministic=False) -> (Tensor dq, Tensor dk, Tensor dv, Tensor dsinks)"
+    f"{OP_TAIL_SCHEMA}) -> (Tensor dq, Tensor dk, Tensor dv, Tensor dsinks)"
 )
 
 
@@ -69,8 +69,7 @@ def _forward_cuda(q, k, v, sinks=None, seqlens_q=None, seqlens_kv=None, cu_seqle
 
 
 def _backward_cuda(
-    grad_out, q, k, v, out, lse, grad_lse=None, sinks=None, seqlens_q=None, seqlens_kv=None, cu_seqlens_q=None, cu_seqlens_kv=None, *,
-    deterministic=False, **options,
+    grad_out, q, k, v, out, lse, grad_lse=None, sinks=None, seqlens_q=None, seqlens_kv=None, cu_seqlens_q=None, cu_seqlens_kv=None, **options
 ):
     call, lengths = from_op_args(
         q, k, need_lse=True, grad=True, sinks=sinks, seqlens_q=seqlens_q, seqlens_kv=seqlens_kv, cu_seqlens_q=cu_seqlens_q,
@@ -79,7 +78,7 @@ def _backward_cuda(
     # The op saved its inputs as given: the forward ran on aligned copies of any that were not.
     q, k, v, out = aligned(q, "q"), aligned(k, "k"), aligned(v, "v"), aligned(out, "out")
     try:
-        graph = backward_graph(q, k, v, call, deterministic=deterministic)
+        graph = backward_graph(q, k, v, call, deterministic=call.backward_deterministic())
     except GraphRejected as rejected:
         return _exact_backward(call, grad_out, grad_lse, q, k, v, sinks, lengths, str(rejected))
     dq, dk, dv, dsinks = run_backward(graph, grad_out, q, k, v, out, lse, sinks, lengths, grad_lse)
@@ -156,9 +155,9 @@ def _backward_formula(ctx, grad_out, grad_lse):
     q, k, v, out, lse, sinks, seqlens_q, seqlens_kv, cu_seqlens_q, cu_seqlens_kv = ctx.saved_tensors
     if grad_out is None and grad_lse is None:
         return None, None, None, None, None, None, None, None
+    # The call's deterministic option as given: None is resolved when the backward op runs, not when it is traced.
     dq, dk, dv, dsinks = torch.ops.cudnn_attention.backward(
-        grad_out, q, k, v, out, lse, grad_lse, sinks, seqlens_q, seqlens_kv, cu_seqlens_q, cu_seqlens_kv,
-        deterministic=torch.are_deterministic_algorithms_enabled(), **ctx.options,
+        grad_out, q, k, v, out, lse, grad_lse, sinks, seqlens_q, seqlens_kv, cu_seqlens_q, cu_seqlens_kv, **ctx.options
     )
     return dq, dk, dv, dsinks if sinks is not None else None, None, None, None, None
 
@@ -196,8 +195,8 @@ class _EagerAttention(torch.autograd.Function):
             seqlens_q=seqlens_q, seqlens_kv=seqlens_kv, cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv,
             covers_every_token=ctx.covers_every_token,
         )
-        graph, deterministic = ctx.plan.backward, torch.are_deterministic_algorithms_enabled()
-        if ctx.plan.deterministic != deterministic:  # switched between forward and backward (the op path resolves per backward too)
+        graph, deterministic = ctx.plan.backward, ctx.call.backward_deterministic()
+        if ctx.plan.deterministic != deterministic:  # torch's setting changed since the forward (the op path resolves per backward too)
             graph = backward_graph(q, k, v, ctx.call, deterministic=deterministic)
         dq, dk, dv, dsinks = run_backward(graph, grad_out, q, k, v, out, lse, sinks, lengths, grad_lse)
         return dq, dk, dv, dsinks, None, None, None
@@ -229,6 +228,4 @@ def cudnn_forward(plan: Plan | None, call: AttentionCall, q, k, v, *, sinks, len
 def cudnn_backward(grad_out, q, k, v, out, lse, *, call: AttentionCall, lengths: Lengths, grad_lse=None, sinks=None):
     """dQ, dK, dV and dSinks of a call through the backward op (the provider's kernels sit below torch's own autograd
     and call it directly)."""
-    return torch.ops.cudnn_attention.backward(
-        grad_out, q, k, v, out, lse, grad_lse, deterministic=torch.are_deterministic_algorithms_enabled(), **op_args(call, lengths, sinks)
-    )
+    return torch.ops.cudnn_attention.backward(grad_out, q, k, v, out, lse, grad_lse, **op_args(call, lengths, sinks))

@@ -24,10 +24,9 @@ Semantics, as FlashAttention documents them:
   (the dropout pattern) is None without dropout there too. ``softmax_lse`` is (B, H_q, S_q) dense and
   (H_q, T_q) packed, float32 (float64 for float64 inputs), the sink included, and differentiable (a loss may
   use it, as FlashAttention 4 allows).
-* ``deterministic=True``: this call's backward runs with ``torch.use_deterministic_algorithms`` on (see
-  :mod:`cudnn_attention.deterministic_backward`), so cuDNN picks its deterministic backward; the forward is
-  deterministic anyway. Under ``torch.compile`` the compiled backward follows the global setting instead, so
-  there ``deterministic=True`` needs ``torch.use_deterministic_algorithms(True)`` and raises without it.
+* ``deterministic=True``: this call's backward runs cuDNN's deterministic algorithm (the core's per-call
+  ``deterministic`` option, eager and compiled alike); the forward is deterministic anyway. ``False``, FlashAttention's
+  default, asks nothing: the backward follows ``torch.are_deterministic_algorithms_enabled()``.
 
 Differences, each an error raised before any kernel runs rather than a silent change: ``dropout_p`` other
 than 0, ``softcap`` other than 0, ``alibi_slopes``, ``block_table`` (paged KV cache), ``rotary_cos`` /
@@ -46,7 +45,6 @@ import torch
 
 from . import _compat, validation
 from .api import attention, varlen_attention
-from .deterministic_backward import with_deterministic_backward
 
 __all__ = [
     "flash_attn_func",
@@ -124,20 +122,9 @@ def _bshd(t: torch.Tensor) -> torch.Tensor:
     return t.transpose(1, 2)
 
 
-def _run(compute, q, k, v, sinks, deterministic: bool) -> tuple:
-    """``compute(q, k, v, sinks)`` (a tuple), its backward run deterministically when asked and a backward will run."""
-    if not deterministic:
-        return compute(q, k, v, sinks)
-    if torch.compiler.is_compiling():
-        if torch.are_deterministic_algorithms_enabled():
-            return compute(q, k, v, sinks)
-        raise NotImplementedError(
-            "deterministic=True under torch.compile: the compiled backward follows the global setting, so call "
-            "torch.use_deterministic_algorithms(True) before compiling instead"
-        )
-    if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sinks))):
-        return compute(q, k, v, sinks)
-    return with_deterministic_backward(compute, q, k, v, sinks)
+def _deterministic(options) -> bool | None:
+    """The core's ``deterministic`` for FlashAttention's flag: True asks for it, False leaves torch's setting in charge."""
+    return True if _flag(options.deterministic, "deterministic") else None
 
 
 class _Options(NamedTuple):
@@ -181,10 +168,11 @@ def _dense(q, k, v, options: _Options):
             bottom_right=True,
             sinks=sinks,
             return_lse=want_lse,
+            deterministic=_deterministic(options),
         )
         return (_bshd(result[0]), result[1]) if want_lse else (_bshd(result),)
 
-    return _returned(_run(compute, q, k, v, options.learnable_sink, _flag(options.deterministic, "deterministic")), want_lse)
+    return _returned(compute(q, k, v, options.learnable_sink), want_lse)
 
 
 def flash_attn_func(
@@ -299,10 +287,11 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, opt
             bottom_right=True,
             sinks=sinks,
             return_lse=want_lse,
+            deterministic=_deterministic(options),
         )
         return (result[0], result[1].t()) if want_lse else (result,)  # FlashAttention's packed LSE is (H, T): a view of ours
 
-    return _returned(_run(compute, q, k, v, options.learnable_sink, _flag(options.deterministic, "deterministic")), want_lse)
+    return _returned(compute(q, k, v, options.learnable_sink), want_lse)
 
 
 def flash_attn_varlen_func(

@@ -74,7 +74,7 @@ def resolve(q, k, v, call: AttentionCall) -> tuple[Plan | None, str | None]:
     plan = memoized(key)
     if plan is None:
         try:
-            plan = build_plan(q, k, v, call, deterministic=key[-1])
+            plan = build_plan(q, k, v, call, deterministic=call.backward_deterministic())
         except GraphRejected as rejected:
             return None, str(rejected)
         memoize(key, plan, plan.specs)

@@ -43,11 +43,12 @@ class EmulatedGraph:
 
     _serial = 0
 
-    def __init__(self, direction: str, call: AttentionCall, *, has_sinks: bool = False):
+    def __init__(self, direction: str, call: AttentionCall, *, has_sinks: bool = False, deterministic: bool = False):
         EmulatedGraph._serial += 1
         self.spec = EmulatedSpec(direction, EmulatedGraph._serial)
         self.call = call
         self.has_sinks = has_sinks  # a forward graph with the sink operand (cuDNN's sink engine)
+        self.deterministic = deterministic  # a backward graph: the algorithm it was resolved for
         self.out_strides = None  # the launch code derives layouts itself
         self.grad_strides = None
         self.batch = call.documents  # packed: the document count the length operands are padded to (here: not padded)
@@ -58,9 +59,10 @@ def plan_for(call: AttentionCall) -> Plan:
     """The plan ``plan.build_plan`` would resolve, with emulated graphs: the sink engine or the fold as
     ``CUDNN_ATTENTION_SINK_FORWARD`` picks (``plan._asks_sink_engine``)."""
     folds = call.has_sinks and not plans._asks_sink_engine(call)
-    backward = EmulatedGraph("backward", call) if call.needs_grad else None
+    deterministic = call.backward_deterministic()
+    backward = EmulatedGraph("backward", call, deterministic=deterministic) if call.needs_grad else None
     forward = EmulatedGraph("forward", call, has_sinks=call.has_sinks and not folds)
-    return Plan(forward, backward, folds, torch.are_deterministic_algorithms_enabled())
+    return Plan(forward, backward, folds, deterministic)
 
 
 @contextlib.contextmanager
@@ -80,12 +82,15 @@ def emulated(monkeypatch, *, op: bool = False):
         return (None, None) if torch.compiler.is_compiling() else (plan_for(call), None)
 
     monkeypatch.setattr(plans, "resolve", resolve)
+    # A backward whose algorithm setting changed since the forward resolves its graph again.
+    monkeypatch.setattr(
+        cudnn_ops, "backward_graph", lambda q, k, v, call, deterministic: EmulatedGraph("backward", call, deterministic=deterministic)
+    )
     if not op:
         yield launches
         return
     monkeypatch.setattr(cudnn_ops, "_eager_safe", lambda q, k, v: False)
     monkeypatch.setattr(cudnn_ops, "build_plan", lambda q, k, v, call, deterministic: plan_for(call))
-    monkeypatch.setattr(cudnn_ops, "backward_graph", lambda q, k, v, call, deterministic: EmulatedGraph("backward", call))
     library = torch.library.Library("cudnn_attention", "IMPL")
     try:
         library.impl("forward", cudnn_ops._forward_cuda, "CPU")

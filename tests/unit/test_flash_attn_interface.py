@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import cudnn_attention
-from cudnn_attention import cudnn_ops
+from cudnn_attention import cudnn_ops  # noqa: F401
 from cudnn_attention import flash_attn_interface as fai
 
 F64 = torch.float64
@@ -492,30 +492,30 @@ def test_kvcache_mismatched_new_keys_raise_and_leave_the_cache_alone():
 
 @pytest.fixture
 def backward_graphs(monkeypatch):
-    """The cuDNN launch code on CPU with emulated graphs (``emulated_cudnn``); records the ``deterministic`` every
-    backward graph is resolved for at backward time (the plan resolved in the forward holds a non-deterministic
-    one), and raises there when ``fail`` is set."""
-    from emulated_cudnn import EmulatedGraph, emulated
+    """The cuDNN launch code on CPU with emulated graphs (``emulated_cudnn``); records, for every backward launch, the
+    algorithm its graph was resolved for (``deterministic``)."""
+    from cudnn_attention import launch
+    from emulated_cudnn import emulated
 
-    asked, fail = [], []
-
-    def graph_for(direction, q, k, v, call, deterministic):
-        asked.append(deterministic)
-        if fail:
-            raise RuntimeError("graph build failed")
-        return EmulatedGraph(direction, call)
-
-    monkeypatch.setattr(cudnn_ops, "_graph_for", graph_for)
+    asked = []
     with emulated(monkeypatch) as launches:
-        yield asked, launches, fail
+        emulated_execute = launch.execute
+
+        def execute(graph, operands, device_index):
+            if graph.spec.direction == "backward":
+                asked.append(graph.deterministic)
+            emulated_execute(graph, operands, device_index)
+
+        monkeypatch.setattr(launch, "execute", execute)
+        yield asked, launches
 
 
 @pytest.mark.parametrize("api", ["dense", "varlen"])
 def test_deterministic_backward_resolves_cudnns_deterministic_graph(backward_graphs, api):
-    """``deterministic=True`` reaches the cuDNN backward as ``torch.are_deterministic_algorithms_enabled()``, for
-    that call's backward alone; the gradients (output's and LSE's, sinks included) are the plain call's and the
-    reference's, and the global setting is left as it was."""
-    asked, launches, _ = backward_graphs
+    """``deterministic=True`` reaches the cuDNN backward as the core's per-call ``deterministic`` option, for that
+    call alone (torch's global setting is not touched); the gradients (output's and LSE's, sinks included) are the
+    plain call's and the reference's."""
+    asked, launches = backward_graphs
     q, k, v, sink = leaves((1, 6, 4, 8), (1, 6, 2, 8), (1, 6, 2, 8), (4,), seed=11)
     cu = torch.tensor([0, 2, 6], dtype=torch.int32)
 
@@ -532,9 +532,9 @@ def test_deterministic_backward_resolves_cudnns_deterministic_graph(backward_gra
         return torch.autograd.grad(out.square().sum() + lse.sum(), (q, k, v, sink))
 
     plain = call(False)
-    assert asked == [] and launches["backward"] == 2  # the plan's own graph: the output's launch and the LSE's
+    assert asked == [False, False] and launches["backward"] == 2  # the output's launch and the LSE's
     deterministic = call(True)
-    assert asked == [True] and launches["backward"] == 4 and not torch.are_deterministic_algorithms_enabled()
+    assert asked == [False, False, True, True] and not torch.are_deterministic_algorithms_enabled()
     if api == "dense":
         want_out, want_lse = reference(q, k, v, causal=True, sink=sink)
     else:
@@ -547,14 +547,14 @@ def test_deterministic_backward_resolves_cudnns_deterministic_graph(backward_gra
         torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
 
 
-def test_deterministic_setting_is_restored_when_the_backward_raises(backward_graphs):
-    asked, _, fail = backward_graphs
+def test_deterministic_false_follows_torchs_setting(backward_graphs, monkeypatch):
+    # FlashAttention's default asks nothing: the backward runs what torch's global setting says when it runs.
+    asked, _ = backward_graphs
     q, k, v = leaves((1, 4, 2, 8), (1, 4, 2, 8), (1, 4, 2, 8), seed=12)
-    out = fai.flash_attn_func(q, k, v, deterministic=True)
-    fail.append(True)
-    with pytest.raises(RuntimeError, match="graph build failed"):
-        out.sum().backward()
-    assert asked == [True] and not torch.are_deterministic_algorithms_enabled()
+    out = fai.flash_attn_func(q, k, v, deterministic=False)
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
+    out.sum().backward()
+    assert asked == [True]
 
 
 def test_deterministic_without_gradients_runs_plainly():
@@ -564,8 +564,8 @@ def test_deterministic_without_gradients_runs_plainly():
     assert torch.equal(out, fai.flash_attn_func(q, k, v))
 
 
-def test_deterministic_under_compile_asks_for_the_global_setting():
+def test_deterministic_under_compile_traces_and_matches_eager():
+    # The option travels in the op's arguments, so a compiled call needs no global setting.
     q, k, v = leaves((1, 4, 2, 8), (1, 4, 2, 8), (1, 4, 2, 8), seed=13)
     compiled = torch.compile(lambda q, k, v: fai.flash_attn_func(q, k, v, deterministic=True), backend="eager", fullgraph=True)
-    with pytest.raises(Exception, match=r"deterministic=True under torch.compile.*torch.use_deterministic_algorithms\(True\)"):
-        compiled(q, k, v)
+    assert torch.equal(compiled(q, k, v), fai.flash_attn_func(q, k, v, deterministic=True))
