@@ -83,7 +83,9 @@ def _positive(text: str) -> int:
 def main(argv: list[str] | None = None) -> bool:
     """Run :func:`check`, print the table and the verdict; returns whether it passed."""
     parser = OneLineArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seq", type=_positive, default=1024, help="tokens per sequence (2 sequences, 16 query / 4 key-value heads, D 128)")
+    parser.add_argument(
+        "--seq", type=_positive, default=1024, help="tokens per sequence (2 sequences, 16 query / 4 key-value heads, D 128)"
+    )
     args = parser.parse_args(argv)
     result = check(seq=args.seq)
     where = torch.cuda.get_device_name() if result["device"] == "cuda" else "CPU"

@@ -112,7 +112,7 @@ def missing_extra(error: ModuleNotFoundError) -> str | None:
     extra = EXTRAS.get(module)
     if extra is None:
         return None
-    return f"this recipe needs {module}, which is not installed: pip install -e \".[{extra}]\" (the {extra!r} extra of cudnn-attention)"
+    return f'this recipe needs {module}, which is not installed: pip install -e ".[{extra}]" (the {extra!r} extra of cudnn-attention)'
 
 
 def run_command(main: Callable[[list[str] | None], object]) -> None:

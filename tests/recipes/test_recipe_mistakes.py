@@ -9,10 +9,9 @@ import sys
 import warnings
 from pathlib import Path
 
+import cudnn_attention
 import pytest
 import torch
-
-import cudnn_attention
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("matplotlib")
@@ -62,8 +61,10 @@ TRAINER_MISTAKES = [
     (["--max_doc_tokens", "1"], r"--max_doc_tokens 1: pass 2 or more"),
     (
         ["--min_doc_tokens", "600", "--max_doc_tokens", "100"],
-        r"--min_doc_tokens 600 is longer than the longest document, 100 tokens \(--max_doc_tokens 100\): "
-        r"pass a --min_doc_tokens of at most 100",
+        (
+            r"--min_doc_tokens 600 is longer than the longest document, 100 tokens \(--max_doc_tokens 100\): "
+            r"pass a --min_doc_tokens of at most 100"
+        ),
     ),
     (["--min_doc_tokens", "600"], r"--min_doc_tokens 600 is longer than the longest document, 512 tokens \(the tiny preset's; "),
     (["--strict"], r"--strict turns every call cuDNN cannot serve into an error, and without a GPU .* leave out --strict"),
@@ -89,7 +90,7 @@ def test_report_to_an_integration_that_is_not_installed_names_the_package(workdi
     import transformers.integrations
 
     # tensorboard may be installed where this runs: stand in for a machine without it.
-    monkeypatch.setattr(transformers.integrations, "get_available_reporting_integrations", lambda: [])
+    monkeypatch.setattr(transformers.integrations, "get_available_reporting_integrations", list)
     status, lines = _command(train_sliding_window, ["--max_steps", "1", "--report_to", "tensorboard"], capsys, monkeypatch)
     expected = "train_sliding_window.py: error: --report_to tensorboard needs tensorboard, which is not installed here: pip install "
     expected += "tensorboard"
@@ -141,10 +142,8 @@ def test_strict_mode_refusing_a_call_mid_run_is_one_line(capsys, monkeypatch):
     with pytest.raises(SystemExit) as stopped:
         run_command(refused)
     assert stopped.value.code == 1
-    assert capsys.readouterr().err.strip().splitlines() == [
-        "train_sinks.py: error: cudnn_attention strict mode: cuDNN cannot serve this call (head_dim 72); leave out --strict to let the "
-        "exact fallback serve such calls"
-    ]
+    expected = "train_sinks.py: error: cudnn_attention strict mode: cuDNN cannot serve this call (head_dim 72); leave out --strict to let "
+    assert capsys.readouterr().err.strip().splitlines() == [expected + "the exact fallback serve such calls"]
 
 
 LIGHTNING_MISTAKES = [
@@ -152,8 +151,10 @@ LIGHTNING_MISTAKES = [
     (["--model.dataset=data.jsonl"], r"data.jsonl:1 has no field 'text' \(fields: \['body'\]\): pass --model.text_field with the field"),
     (
         ["--model.min_doc_tokens=600", "--model.max_doc_tokens=100"],
-        r"--model.min_doc_tokens=600 is longer than the longest document, 100 tokens \(--model.max_doc_tokens=100\): pass a "
-        r"--model.min_doc_tokens of at most 100",
+        (
+            r"--model.min_doc_tokens=600 is longer than the longest document, 100 tokens \(--model.max_doc_tokens=100\): pass a "
+            r"--model.min_doc_tokens of at most 100"
+        ),
     ),
     (["--model.tokens_per_step=1"], r"--model.tokens_per_step=1: pass 2 or more"),
     (["--trainer.max_steps=0"], r"--trainer.max_steps=0: pass 1 or more"),
@@ -200,8 +201,6 @@ def test_a_recipe_without_its_extra_says_what_to_install(recipe, module, extra, 
     code = f"import runpy, sys; sys.modules[{module!r}] = None; sys.argv = [{script!r}]; runpy.run_path(sys.argv[0], run_name='__main__')"
     done = _script(code, tmp_path)
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
-    assert done.stderr.strip().splitlines()[-1] == (
-        f"{recipe}.py: error: this recipe needs {module}, which is not installed: pip install -e \".[{extra}]\" (the {extra!r} extra of "
-        "cudnn-attention)"
-    )
+    expected = f'{recipe}.py: error: this recipe needs {module}, which is not installed: pip install -e ".[{extra}]" '
+    assert done.stderr.strip().splitlines()[-1] == expected + f"(the {extra!r} extra of cudnn-attention)"
     assert not any(tmp_path.iterdir())
