@@ -18,6 +18,7 @@ import warnings
 import cudnn_attention
 import torch
 import torch.nn.functional as F
+from cudnn_attention.recipes.common.errors import OneLineArgumentParser
 from cudnn_attention.recipes.common.reporting import fallback_reasons
 
 __all__ = ["check", "main"]
@@ -68,10 +69,23 @@ def _served(stats: dict) -> str:
     return f"the exact PyTorch fallback, not cuDNN ({reasons})"
 
 
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        # argparse puts this message after "argument --seq:"; an empty sequence has no error to measure.
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive whole number of tokens: pass 1 or more")
+    return value
+
+
 def main(argv: list[str] | None = None) -> bool:
     """Run :func:`check`, print the table and the verdict; returns whether it passed."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seq", type=int, default=1024, help="tokens per sequence (2 sequences, 16 query / 4 key-value heads, D 128)")
+    parser = OneLineArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument(
+        "--seq", type=_positive, default=1024, help="tokens per sequence (2 sequences, 16 query / 4 key-value heads, D 128)"
+    )
     args = parser.parse_args(argv)
     result = check(seq=args.seq)
     where = torch.cuda.get_device_name() if result["device"] == "cuda" else "CPU"

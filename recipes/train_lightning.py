@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from cudnn_attention.integrations.lightning import CudnnAttention
 from cudnn_attention.recipes.common.compare import run_with_compare
 from cudnn_attention.recipes.common.config import (
     LEARNING_RATE,
@@ -32,26 +31,51 @@ from cudnn_attention.recipes.common.config import (
     Reference,
     RunOptions,
     check_machine,
+    check_strict,
     document_fields,
     help_of,
     model_shape,
 )
 from cudnn_attention.recipes.common.data import STATS_KEY, PackedCollator, PackedDataset, build_dataset
-from cudnn_attention.recipes.common.errors import run_command
+from cudnn_attention.recipes.common.errors import (
+    RecipeError,
+    command_name,
+    flag,
+    flag_spelling,
+    missing_extra,
+    option_strings,
+    run_command,
+    trainer_flag,
+    usage_error,
+)
 from cudnn_attention.recipes.common.flops import step_flops_of
 from cudnn_attention.recipes.common.model import build_model
 from cudnn_attention.recipes.common.reporting import RunResult, announce_run, fallback_announced, finish, format_mfu, format_rate
 from cudnn_attention.recipes.common.run_dirs import checked_output_dir, new_run_dir, remove_empty_dirs
 from cudnn_attention.recipes.common.steps import StepRecorder
 from cudnn_attention.recipes.common.tokenizer import load_tokenizer
-from lightning.pytorch import Callback, LightningModule
-from lightning.pytorch.callbacks import TQDMProgressBar
-from lightning.pytorch.cli import LightningCLI
-from lightning.pytorch.strategies import FSDPStrategy
 
-__all__ = ["LightningOptions", "PackedCausalLM", "RecipeCLI", "RecipeProgressBar", "RecipeReport", "main"]
+try:
+    from cudnn_attention.integrations.lightning import CudnnAttention
+    from lightning.pytorch import Callback, LightningModule
+    from lightning.pytorch.callbacks import TQDMProgressBar
+    from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+    from lightning.pytorch.strategies import FSDPStrategy
+except ModuleNotFoundError as error:
+    if __name__ != "__main__" or missing_extra(error) is None:
+        raise
+    # Run as a command without the lightning extra: the one line run_command gives other mistakes (the classes below
+    # need Lightning, so this cannot wait for main).
+    print(f"{command_name()}: error: {missing_extra(error)}", file=sys.stderr)
+    raise SystemExit(2) from None
+
+__all__ = ["LightningOptions", "PackedCausalLM", "RecipeCLI", "RecipeProgressBar", "RecipeReport", "lightning_flag", "main"]
 
 RECIPE = "train_lightning"
+# The Trainer recipes' names (what the shared pieces' messages use) of the options this recipe takes from Lightning's
+# Trainer or under another name; the other recipe options are --model.<name>, and --compare/--overwrite_output_dir are
+# the same in both.
+_LIGHTNING_NAMES = {"output_dir": "trainer.default_root_dir", "max_steps": "trainer.max_steps", "learning_rate": "model.lr"}
 
 
 @document_fields
@@ -62,6 +86,16 @@ class LightningOptions(RecipeOptions):
     lr: float = field(default=LEARNING_RATE, metadata={"help": "peak learning rate (AdamW, cosine schedule after a linear warmup "
                                                                "over the first tenth of the steps)"})  # fmt: skip
     seed: int = field(default=0, metadata={"help": "seed of the model init and the batch order (the same in compare runs)"})
+
+
+def lightning_flag(name: str, value: object = None) -> str:
+    """Option ``name`` (a Trainer recipe's name) as this recipe's command line takes it: ``--model.tokens_per_step=2048``,
+    ``--trainer.default_root_dir``; the spelling :func:`~cudnn_attention.recipes.common.errors.flag` gives inside :func:`main`."""
+    fields = {f.name for f in dataclasses.fields(LightningOptions)}
+    spelled = _LIGHTNING_NAMES.get(name) or (f"model.{name}" if name in fields else None)
+    if spelled is None:
+        return trainer_flag(name, value)
+    return f"--{spelled}" if value is None else f"--{spelled}={value}"
 
 
 class PackedCausalLM(LightningModule):
@@ -195,16 +229,23 @@ class RecipeCLI(LightningCLI):
     def add_arguments_to_parser(self, parser) -> None:
         parser.add_argument("--compare", type=list[Reference] | Reference, default=[],
                             help=f"{help_of(RunOptions, 'compare')}: --compare=eager, --compare=[eager,sdpa]")  # fmt: skip
-        parser.add_argument("--overwrite_output_dir", type=bool, default=False, help=help_of(RunOptions, "overwrite_output_dir"))
+        # nargs="?": a bare --overwrite_output_dir means true, as in the Trainer recipes (--overwrite_output_dir=false still works).
+        parser.add_argument(
+            "--overwrite_output_dir", type=bool, nargs="?", const=True, default=False, help=help_of(RunOptions, "overwrite_output_dir")
+        )
 
     def before_instantiate_classes(self) -> None:
         config = self.config
         on_gpu = torch.cuda.is_available() and config.trainer.accelerator not in ("cpu",)
         options = LightningOptions(**config.model.as_dict()).resolved(on_gpu=on_gpu)
         config.model.size = options.size
-        check_machine(size=options.size, tokens_per_step=options.tokens_per_step, device="cuda:0" if on_gpu else "cpu")
+        device = "cuda:0" if on_gpu else "cpu"
+        check_machine(size=options.size, tokens_per_step=options.tokens_per_step, device=device)
+        check_strict(strict=options.strict, device=device)
         if config.trainer.max_steps in (None, -1):
             config.trainer.max_steps = options.budget().steps
+        elif config.trainer.max_steps < 1:
+            raise RecipeError(f"{flag('max_steps', config.trainer.max_steps)}: pass 1 or more (default: the size preset's, -1 the same)")
         if config.trainer.precision is None:
             config.trainer.precision = "bf16-true" if on_gpu else "32-true"
         if config.trainer.default_root_dir is None:
@@ -220,6 +261,15 @@ class RecipeCLI(LightningCLI):
             self.trainer_defaults["callbacks"] = [RecipeProgressBar()]
 
 
+class RecipeArgumentParser(LightningArgumentParser):
+    """LightningCLI's parser with one-line errors: its usage block runs to some sixty lines of ``--trainer.*`` flags."""
+
+    def error(self, message: str, ex: Exception | None = None):
+        if not self.exit_on_error:  # a parser asked to raise (jsonargparse's inner parsers, a caller's) keeps doing so
+            return super().error(message, ex)
+        usage_error(self.prog, message, options=option_strings(self))
+
+
 def _cli(argv: list[str]) -> RecipeCLI:
     defaults = {
         "devices": 1, "logger": False, "enable_checkpointing": False, "enable_model_summary": False, "gradient_clip_val": MAX_GRAD_NORM,
@@ -230,15 +280,27 @@ def _cli(argv: list[str]) -> RecipeCLI:
     script_argv, sys.argv = sys.argv, sys.argv[:1]
     try:
         return RecipeCLI(
-            PackedCausalLM, trainer_defaults=defaults, seed_everything_default=0, save_config_callback=None, run=False, args=argv
+            PackedCausalLM,
+            trainer_defaults=defaults,
+            seed_everything_default=0,
+            save_config_callback=None,
+            run=False,
+            args=argv,
+            parser_class=RecipeArgumentParser,
         )
     finally:
         sys.argv = script_argv
 
 
 def main(argv: list[str] | None = None) -> dict:
-    """Fit (and compare), then on rank zero print the summary and write ``metrics.json`` and ``loss.png``; returns the metrics."""
-    argv = list(sys.argv[1:] if argv is None else argv)
+    """Fit (and compare), then on rank zero print the summary and write ``metrics.json`` and ``loss.png``; returns the metrics.
+
+    Its mistakes (:class:`~cudnn_attention.recipes.common.errors.RecipeError`) name flags as this recipe spells them."""
+    with flag_spelling(lightning_flag):
+        return _main(list(sys.argv[1:] if argv is None else argv))
+
+
+def _main(argv: list[str]) -> dict:
     first = _cli(argv)
     trainer, options = first.trainer, first.model.options
     compare = first.config.compare
@@ -270,4 +332,5 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    run_command(main)
+    with flag_spelling(lightning_flag):  # also for what run_command prints after main has returned
+        run_command(main)

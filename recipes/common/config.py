@@ -20,7 +20,7 @@ import inspect
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
-from .errors import RecipeError
+from .errors import RecipeError, flag
 
 __all__ = [
     "FAMILIES",
@@ -40,6 +40,7 @@ __all__ = [
     "RunOptions",
     "Size",
     "check_machine",
+    "check_strict",
     "data_budget",
     "document_fields",
     "help_of",
@@ -136,13 +137,42 @@ def data_budget(
     max_doc_tokens: int | None = None,
 ) -> DataBudget:  # fmt: skip
     """The data budget of ``size``, with the given fields in place of the preset's (``None``: the preset's); a document
-    is never longer than a step's tokens."""
+    is never longer than a step's tokens, nor the preset's shortest document longer than the longest.
+
+    Raises :class:`RecipeError`, naming the flag, for a value no run can train on: a step or a longest document of
+    fewer than 2 tokens (a document's first token has no label, so nothing would be predicted and the loss would be
+    NaN), fewer than 1 step, or a given shortest document longer than the longest.
+    """
     if size not in _BUDGETS:
         raise ValueError(f"unknown size {size!r}; sizes {SIZES}")
     preset = _BUDGETS[size]
-    tokens_per_step = tokens_per_step or preset.tokens_per_step
-    return DataBudget(tokens_per_step=tokens_per_step, steps=steps or preset.steps, min_doc_tokens=min_doc_tokens or preset.min_doc_tokens,
-                      max_doc_tokens=min(max_doc_tokens or preset.max_doc_tokens, tokens_per_step))  # fmt: skip
+    for name, value, least, why in (
+        ("tokens_per_step", tokens_per_step, 2, "a document's first token has no label, so a step needs 2 tokens to predict one"),
+        ("max_doc_tokens", max_doc_tokens, 2, "a document's first token has no label, so a document needs 2 tokens to predict one"),
+        ("min_doc_tokens", min_doc_tokens, 1, "a document holds at least one token"),
+        ("max_steps", steps, 1, "a run trains at least one optimizer step"),
+    ):
+        if value is not None and value < least:
+            raise RecipeError(f"{flag(name, value)}: pass {least} or more ({why})")
+    tokens = preset.tokens_per_step if tokens_per_step is None else tokens_per_step
+    longest = min(preset.max_doc_tokens if max_doc_tokens is None else max_doc_tokens, tokens)
+    if min_doc_tokens is None:
+        shortest = min(preset.min_doc_tokens, longest)
+    elif min_doc_tokens > longest:
+        if max_doc_tokens is not None and max_doc_tokens <= tokens:
+            source = f"{flag('max_doc_tokens', max_doc_tokens)}"
+        elif tokens_per_step is not None and tokens < (max_doc_tokens or preset.max_doc_tokens):
+            source = f"{flag('tokens_per_step', tokens)}: no document is longer than a step"
+        else:
+            source = f"the {size} preset's; {flag('max_doc_tokens')} sets it"
+        raise RecipeError(
+            f"{flag('min_doc_tokens', min_doc_tokens)} is longer than the longest document, {longest} tokens ({source}): "
+            f"pass a {flag('min_doc_tokens')} of at most {longest}"
+        )
+    else:
+        shortest = min_doc_tokens
+    steps = preset.steps if steps is None else steps
+    return DataBudget(tokens_per_step=tokens, steps=steps, min_doc_tokens=shortest, max_doc_tokens=longest)
 
 
 def check_machine(*, size: str, tokens_per_step: int, device, gpu_name: str | None = None, gpu_gib: float | None = None) -> None:
@@ -156,7 +186,9 @@ def check_machine(*, size: str, tokens_per_step: int, device, gpu_name: str | No
         return
     needed *= tokens_per_step / _BUDGETS[size].tokens_per_step
     if not str(device).startswith("cuda"):
-        raise RecipeError(f"--size {size} needs a GPU with about {needed:.0f} GiB (device here: {device}); on a CPU use --size tiny")
+        raise RecipeError(
+            f"{flag('size', size)} needs a GPU with about {needed:.0f} GiB (device here: {device}); on a CPU use {flag('size', 'tiny')}"
+        )
     if gpu_gib is None:
         import torch
 
@@ -164,9 +196,27 @@ def check_machine(*, size: str, tokens_per_step: int, device, gpu_name: str | No
         gpu_name, gpu_gib = properties.name, properties.total_memory / 2**30
     if gpu_gib < needed:
         raise RecipeError(
-            f"--size {size} at {tokens_per_step:,} tokens per step needs about {needed:.0f} GiB of GPU memory and {gpu_name} has "
-            f"{gpu_gib:.0f} GiB: pass --tokens_per_step {int(tokens_per_step * gpu_gib / needed) // 1024 * 1024} or --size small"
+            f"{flag('size', size)} at {tokens_per_step:,} tokens per step needs about {needed:.0f} GiB of GPU memory and {gpu_name} has "
+            f"{gpu_gib:.0f} GiB: pass {flag('tokens_per_step', int(tokens_per_step * gpu_gib / needed) // 1024 * 1024)} or "
+            f"{flag('size', 'small')}"
         )
+
+
+def check_strict(*, strict: bool, device) -> None:
+    """Raise :class:`RecipeError` when strict mode is asked for where cuDNN can serve no call: without a GPU, or without
+    the cuDNN frontend (before any step, rather than as the first attention call's error)."""
+    if not strict:
+        return
+    if not str(device).startswith("cuda"):
+        raise RecipeError(
+            f"{flag('strict')} turns every call cuDNN cannot serve into an error, and without a GPU (device here: {device}) it serves "
+            f"none: leave out {flag('strict')} to train on the exact fallback, or run on a GPU"
+        )
+    from cudnn_attention.cudnn_graphs import frontend_unavailable_reason
+
+    reason = frontend_unavailable_reason()
+    if reason is not None:
+        raise RecipeError(f"{flag('strict')} needs cuDNN, and here the {reason}: install it, or leave out {flag('strict')}")
 
 
 def help_of(options: type, name: str) -> str:

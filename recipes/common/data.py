@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import RecipeError
+from .errors import RecipeError, flag
 
 __all__ = ["STATS_KEY", "PackedCollator", "PackedDataset", "RecipeDataWarning", "build_dataset", "cut_documents", "load_texts",
            "pack_documents", "warn_if_repeated"]  # fmt: skip
@@ -42,11 +42,17 @@ def load_texts(*, dataset: str | None = None, text_field: str = "text") -> tuple
         raise RecipeError(f"dataset {dataset!r} is not a local file: pass the path of a .txt or .jsonl file (nothing is downloaded)")
     try:
         if path.suffix != ".jsonl":
-            return [path.read_text(encoding="utf-8")], True
-        return [_record_text(line, text_field=text_field, where=f"{dataset}:{number}")
-                for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1) if line.strip()], False  # fmt: skip
+            texts, running = [path.read_text(encoding="utf-8")], True
+        else:
+            lines = enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+            texts = [_record_text(line, text_field=text_field, where=f"{dataset}:{number}") for number, line in lines if line.strip()]
+            running = False
     except UnicodeDecodeError as error:
         raise RecipeError(f"dataset {dataset!r} is not UTF-8 text ({error.reason} at byte {error.start}): pass a .txt or .jsonl file") from None
+    if not any(text.strip() for text in texts):
+        # Only the end-of-text token would be left: a step with nothing to predict, whose loss is NaN.
+        raise RecipeError(f"dataset {dataset!r} has no text: pass a {flag('dataset')} with at least one non-empty document")
+    return texts, running
 
 
 def _record_text(line: str, *, text_field: str, where: str) -> str:
@@ -56,7 +62,9 @@ def _record_text(line: str, *, text_field: str, where: str) -> str:
         raise RecipeError(f"{where} is not a JSON record ({error.msg}): a .jsonl file holds one JSON object per line") from None
     if not isinstance(record, dict) or text_field not in record:
         fields = sorted(record) if isinstance(record, dict) else f"a JSON {type(record).__name__}, not an object"
-        raise RecipeError(f"{where} has no field {text_field!r} (fields: {fields}): pass --text_field with the field holding the text")
+        raise RecipeError(
+            f"{where} has no field {text_field!r} (fields: {fields}): pass {flag('text_field')} with the field holding the text"
+        )
     return str(record[text_field])
 
 
@@ -106,7 +114,7 @@ def pack_documents(documents: list[list[int]], *, tokens_per_step: int, seed: in
     if current and not packs:
         packs.append(current)
     if not packs:
-        raise RecipeError("the dataset has no text: pass a --dataset with at least one non-empty document")
+        raise RecipeError(f"the dataset has no text: pass a {flag('dataset')} with at least one non-empty document")
     return packs
 
 
@@ -123,12 +131,14 @@ def warn_if_repeated(*, packs: list[list[list[int]]], tokens_per_step: int, step
     step_tokens = tokens_per_step * packs_per_step
     per_device = math.ceil(len(packs) / world_size)  # each device draws its own packs (a distributed sampler)
     if tokens < step_tokens:
+        # A step needs 2 tokens (data_budget): below that, only more data helps.
+        fits = f"{flag('tokens_per_step', tokens // packs_per_step)} or less, or " if tokens // packs_per_step >= 2 else ""
         message = (f"the data has {tokens:,} tokens, fewer than one step's {step_tokens:,}: each of the {steps} steps trains on "
-                   f"the same {tokens:,} tokens; pass --tokens_per_step {tokens // packs_per_step} or less, or more data")  # fmt: skip
+                   f"the same {tokens:,} tokens; pass {fits}more data")  # fmt: skip
     elif steps * packs_per_step > per_device:
         message = (f"the data fills {len(packs)} packs of {tokens_per_step:,} tokens ({per_device} per device): {steps} steps of "
                    f"{packs_per_step} go over it {steps * packs_per_step / per_device:.1f} times; pass more data, fewer steps or a "
-                   f"smaller --tokens_per_step")  # fmt: skip
+                   f"smaller {flag('tokens_per_step')}")  # fmt: skip
     else:
         return None
     warnings.warn(message, RecipeDataWarning, stacklevel=2)
@@ -176,4 +186,12 @@ def build_dataset(*, tokenizer, dataset: str | None, text_field: str, tokens_per
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     token_texts = [tokenizer.encode(text) + eos for text in texts]
     documents = cut_documents(token_texts, running=running, min_tokens=min_doc_tokens, max_tokens=max_doc_tokens, seed=seed)
-    return PackedDataset(pack_documents(documents, tokens_per_step=tokens_per_step, seed=seed))
+    packs = pack_documents(documents, tokens_per_step=tokens_per_step, seed=seed)
+    # A document's first token has no label: a pack of one-token documents has nothing to predict and its loss is NaN.
+    empty = sum(1 for pack in packs if all(len(doc) < 2 for doc in pack))
+    if empty:
+        raise RecipeError(
+            f"{empty} of the {len(packs)} packs hold only one-token documents, whose single token has no label to predict: pass "
+            f"longer documents ({flag('min_doc_tokens')}) or a larger {flag('tokens_per_step')}"
+        )
+    return PackedDataset(packs)

@@ -18,8 +18,19 @@ import cudnn_attention
 import torch
 
 from .compare import run_with_compare
-from .config import LEARNING_RATE, MAX_GRAD_NORM, WARMUP_SHARE, WEIGHT_DECAY, RecipeOptions, RunOptions, check_machine, model_shape
+from .config import (
+    LEARNING_RATE,
+    MAX_GRAD_NORM,
+    WARMUP_SHARE,
+    WEIGHT_DECAY,
+    RecipeOptions,
+    RunOptions,
+    check_machine,
+    check_strict,
+    model_shape,
+)
 from .data import STATS_KEY, PackedCollator, build_dataset
+from .errors import RecipeError, flag, option_strings, usage_error
 from .flops import step_flops_of
 from .model import build_model
 from .reporting import RunResult, announce_run, fallback_announced, finish, format_mfu, format_rate
@@ -41,6 +52,11 @@ TRAINER_DEFAULTS = dict(
 # Filled in after parsing when not given: from the machine (use_cpu, bf16, dataloader_pin_memory), the size preset
 # (max_steps) and the step count (warmup_steps, logging_steps); output_dir: a new folder per run.
 _RESOLVED_LATER = ("use_cpu", "bf16", "dataloader_pin_memory", "max_steps", "warmup_steps", "logging_steps", "output_dir")
+# TrainingArguments fields that transformers 5.24 renamed (the old names warn, FutureWarning: removed in v6): the recipe
+# hands the value to the name this transformers has, so `--gradient_checkpointing` works quietly on 5.17 and 5.24 alike.
+_RENAMED = (("gradient_checkpointing", "activation_checkpointing"), ("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs"))
+# What `pip install` takes for the --report_to integrations whose package has another name.
+_REPORTING_PACKAGES = {"azure_ml": "azureml-core", "comet_ml": "comet-ml", "flyte": "flytekit"}
 
 
 def _fields(values: dict, dataclass_type) -> dict:
@@ -52,9 +68,14 @@ def parse(argv: list[str] | None = None, *, family: str = "mistral"):
     model family. ``training_args.output_dir`` stays ``None`` unless given (:func:`run` makes a new folder)."""
     from transformers import HfArgumentParser, TrainingArguments
 
-    parser = HfArgumentParser((RecipeOptions, RunOptions, TrainingArguments))
+    class RecipeArgumentParser(HfArgumentParser):
+        def error(self, message):  # one line: argparse's usage block lists every TrainingArguments field first
+            usage_error(self.prog, message, options=option_strings(self))
+
+    parser = RecipeArgumentParser((RecipeOptions, RunOptions, TrainingArguments))
     parser.set_defaults(family=family, **TRAINER_DEFAULTS, **dict.fromkeys(_RESOLVED_LATER))
     values = vars(parser.parse_args(argv))
+    _rename_for_this_transformers(values)
     if values["use_cpu"] is None:
         values["use_cpu"] = not torch.cuda.is_available()
     on_gpu = not values["use_cpu"] and torch.cuda.is_available()
@@ -63,6 +84,8 @@ def parse(argv: list[str] | None = None, *, family: str = "mistral"):
     options = RecipeOptions(**_fields(values, RecipeOptions)).resolved(on_gpu=on_gpu)
     if values["max_steps"] in (None, -1):
         values["max_steps"] = options.budget().steps
+    elif values["max_steps"] < 1:
+        raise RecipeError(f"{flag('max_steps', values['max_steps'])}: pass 1 or more (default: the size preset's, -1 the same)")
     if values["warmup_steps"] is None:
         values["warmup_steps"] = int(values["max_steps"] * WARMUP_SHARE)
     if values["logging_steps"] is None:
@@ -71,6 +94,30 @@ def parse(argv: list[str] | None = None, *, family: str = "mistral"):
     args = TrainingArguments(**_fields(values, TrainingArguments))
     args.output_dir = output_dir  # TrainingArguments turns None into "trainer_output"; run() needs to know it was not given
     return options, RunOptions(**_fields(values, RunOptions)), args
+
+
+def _rename_for_this_transformers(values: dict) -> None:
+    """Move a value given under one name of a renamed ``TrainingArguments`` field (:data:`_RENAMED`) to the name this
+    transformers has, so that it neither warns nor refuses it."""
+    for old, new in _RENAMED:
+        if new in values and values.get(old) is not None and values[new] is None:
+            values[new], values[old] = values[old], None
+
+
+def _check_reporting(report_to: list[str]) -> None:
+    """Raise :class:`RecipeError` for a ``--report_to`` integration that is not installed (transformers would raise when the
+    Trainer is built, after the model: a traceback that names no package)."""
+    from transformers.integrations import INTEGRATION_TO_CALLBACK, get_available_reporting_integrations
+
+    given = flag("report_to", " ".join(report_to))
+    unknown = [name for name in report_to if name not in ("all", "none") and name not in INTEGRATION_TO_CALLBACK]
+    if unknown:
+        known = ", ".join(INTEGRATION_TO_CALLBACK)
+        raise RecipeError(f"{given}: transformers knows no integration {', '.join(map(repr, unknown))}; pass one of {known}, all or none")
+    missing = [name for name in report_to if name in INTEGRATION_TO_CALLBACK and name not in get_available_reporting_integrations()]
+    if missing:
+        packages = " ".join(_REPORTING_PACKAGES.get(name, name) for name in missing)
+        raise RecipeError(f"{given} needs {', '.join(missing)}, which is not installed here: pip install {packages}")
 
 
 def _trainer_classes():
@@ -176,6 +223,10 @@ def run(options: RecipeOptions, run_options: RunOptions, args, *, recipe: str) -
     device = args.device  # sets up the process group under accelerate launch / torchrun
     main_process = PartialState().is_main_process
     check_machine(size=options.size, tokens_per_step=options.tokens_per_step, device=device)
+    check_strict(strict=options.strict, device=device)
+    _check_reporting(args.report_to)
+    if args.output_dir is not None:  # a folder that cannot take the results is refused before the data is read (_run_dir again below)
+        checked_output_dir(args.output_dir, overwrite=run_options.overwrite_output_dir)
     tokenizer = load_tokenizer(tokenizer=options.tokenizer, checkpoint=options.checkpoint)
     dataset = build_dataset(
         tokenizer=tokenizer, dataset=options.dataset, text_field=options.text_field, tokens_per_step=options.tokens_per_step,

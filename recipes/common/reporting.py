@@ -12,6 +12,8 @@ import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from cudnn_attention.environment import versions
+
 from .data import warn_if_repeated
 from .run_dirs import RESULTS
 
@@ -300,6 +302,7 @@ def finish(*, recipe: str, results: dict[str, RunResult], primary: str, config: 
     payload = {
         "recipe": recipe,
         "config": config,
+        "versions": versions(),  # what the figures depend on: two runs' files can be told apart later
         "device": first.device_name,
         "world_size": first.world_size,
         "dense_bf16_peak_flops": first.peak_flops,

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .errors import RecipeError
+from .errors import RecipeError, flag
 
-__all__ = ["ByteTokenizer", "HFTokenizer", "load_tokenizer"]
+__all__ = ["ByteTokenizer", "HFTokenizer", "NoTokenizerFiles", "load_tokenizer"]
 
 
 class ByteTokenizer:
@@ -35,6 +35,17 @@ class ByteTokenizer:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
 
+class NoTokenizerFiles(RecipeError):
+    """A local directory holds no tokenizer ``AutoTokenizer`` can load; ``first_line`` is the first line of its error."""
+
+    def __init__(self, path: str, first_line: str):
+        super().__init__(
+            f"tokenizer directory {path!r} holds no tokenizer transformers can load ({first_line}): pass a {flag('tokenizer')} "
+            f"directory with the tokenizer's files (tokenizer.json or tokenizer_config.json and its vocabulary)"
+        )
+        self.first_line = first_line
+
+
 class HFTokenizer:
     """A local ``transformers`` tokenizer behind the same small interface (``encode``, ``vocab_size``, special ids)."""
 
@@ -45,7 +56,12 @@ class HFTokenizer:
         if not path.is_dir():
             # Never a hub name: recipes run offline, and a typo must not start a download.
             raise RecipeError(f"tokenizer directory {str(path)!r} does not exist: pass a local directory (recipes download nothing)")
-        self.inner = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        try:
+            self.inner = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        except (OSError, ValueError, TypeError) as error:
+            # transformers' message runs over several lines; its first says what it missed.
+            first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise NoTokenizerFiles(str(path), first) from error
         self.vocab_size = len(self.inner)
         self.eos_token_id = self.inner.eos_token_id
         self.bos_token_id = self.inner.bos_token_id
@@ -67,8 +83,7 @@ def load_tokenizer(*, tokenizer: str | None = None, checkpoint: str | None = Non
             raise RecipeError(f"checkpoint directory {checkpoint!r} does not exist: pass a local directory (recipes download nothing)")
         try:
             return HFTokenizer(checkpoint)
-        except (OSError, ValueError, TypeError) as error:
-            # transformers' message runs over several lines; its first says what it missed.
-            first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-            raise RecipeError(f"checkpoint directory {checkpoint!r} has no tokenizer ({first}): pass --tokenizer DIR") from error
+        except NoTokenizerFiles as error:
+            message = f"checkpoint directory {checkpoint!r} has no tokenizer ({error.first_line}): pass {flag('tokenizer', 'DIR')}"
+            raise RecipeError(message) from error
     return ByteTokenizer()
