@@ -1,0 +1,74 @@
+"""The versions a result depends on, as one dict: what a run records next to its figures so two runs can be told apart.
+
+Example:
+    >>> import cudnn_attention.environment
+    >>> cudnn_attention.environment.versions()["gpu"]
+    'cpu'
+
+Framework-free: transformers and Lightning are looked up by their installed distributions (never imported), the cuDNN
+frontend is imported only inside a ``try`` block, and CUDA is initialised only when a GPU is there to be named.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import platform
+
+import torch
+
+__all__ = ["versions"]
+
+
+def _distribution_version(*names: str) -> str | None:
+    """The installed version of the first distribution of ``names`` found, else ``None``."""
+    for name in names:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def _frontend() -> tuple[str | None, int | None]:
+    """``(frontend version, version of the cuDNN library it loaded)``; ``None`` for what cannot be had here."""
+    try:
+        import cudnn
+    except Exception:  # noqa: BLE001 - any import failure means "no usable frontend", which is what gets recorded
+        return None, None
+    frontend = getattr(cudnn, "__version__", None)
+    backend = None
+    if torch.cuda.is_available():
+        # Without a GPU the frontend's library lookup fails (no libcudnn is loaded); with one, this is the cuDNN that
+        # runs the fused kernels, which can differ from the one torch was built against.
+        try:
+            backend = int(cudnn.backend_version())
+        except Exception:  # noqa: BLE001 - a missing or broken libcudnn is recorded as None, not raised
+            backend = None
+    return frontend, backend
+
+
+def versions() -> dict:
+    """The versions this process would run with, as a JSON-serialisable dict (``None`` for what is absent).
+
+    Keys: ``cudnn_attention``, ``python``, ``torch``, ``cuda`` (the CUDA torch was built with; ``None`` for a CPU
+    build), ``torch_cudnn`` (the cuDNN torch was built with), ``cudnn_backend`` (the cuDNN the frontend loaded; ``None``
+    without a GPU), ``cudnn_frontend``, ``transformers``, ``lightning``, ``gpu`` (the name of the current CUDA device,
+    or ``"cpu"``) and ``gpu_count``.
+    """
+    from . import __version__
+
+    cuda = torch.cuda.is_available()
+    frontend, backend = _frontend()
+    return {
+        "cudnn_attention": __version__,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "torch_cudnn": torch.backends.cudnn.version() if cuda else None,
+        "cudnn_backend": backend,
+        "cudnn_frontend": frontend,
+        "transformers": _distribution_version("transformers"),
+        "lightning": _distribution_version("lightning", "pytorch-lightning"),
+        "gpu": torch.cuda.get_device_name() if cuda else "cpu",
+        "gpu_count": torch.cuda.device_count() if cuda else 0,
+    }
