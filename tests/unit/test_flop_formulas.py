@@ -232,3 +232,21 @@ def test_register_is_idempotent():
     flop_formulas.register()
     assert flop_registry[torch.ops.cudnn_attention.forward] is flop_formulas.forward_flops
     assert flop_registry[torch.ops.cudnn_attention.backward] is flop_formulas.backward_flops
+
+
+@pytest.mark.gpu
+def test_gpu_calls_served_by_cudnn_are_counted_from_their_device_lengths():
+    # On a GPU the op runs its cuDNN kernels under the counter, and the formula reads the CUDA prefix sums.
+    docs = [100, 1, 37, 118]
+    cu = torch.tensor([0, *torch.tensor(docs).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    q = torch.randn(sum(docs), 8, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(sum(docs), 2, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    cudnn_attention.reset_stats()
+    with FlopCounterMode(display=False) as counter:
+        cudnn_attention.varlen_attention(q, k, v, cu, cu, max(docs), max(docs), window_size=(64, 0)).sum().backward()
+    pairs = brute_force_pairs(docs, docs, left=64, right=0)
+    assert counter.get_flop_counts()["Global"] == {
+        torch.ops.cudnn_attention.forward: forward_flops(pairs, 8, 128, 128),
+        torch.ops.cudnn_attention.backward: backward_flops(pairs, 8, 128, 128),
+    }
+    assert cudnn_attention.stats()["cudnn_forward"] == 1 and cudnn_attention.stats()["cudnn_backward"] == 1
