@@ -149,14 +149,39 @@ def test_model_check_on_the_cpu(tmp_path):
         assert "logits" in check.measurements and all(error <= bound for error, bound in check.measurements.values())
 
 
+def test_model_check_compares_packed_documents_with_eager_one_document_at_a_time(tmp_path):
+    # gpt-oss's eager builds its masks without position_ids (transformers 5.17), so on a packed row it attends across
+    # documents where the cuDNN path does not: compared row against row, a correct cuDNN result failed (seen on an H200).
+    transformers = pytest.importorskip("transformers")
+    from cudnn_attention.integrations.hf import doctor_model
+
+    transformers.GptOssConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        sliding_window=16,
+        num_local_experts=2,
+        num_experts_per_tok=2,
+        layer_types=["sliding_attention", "full_attention"],
+    ).save_pretrained(tmp_path)
+    checks = doctor_model.model_checks(str(tmp_path), device=torch.device("cpu"))
+    assert [(check.name, check.status) for check in checks] == [("model dense", "fallback"), ("model packed", "fallback")], [
+        check.summary() for check in checks
+    ]
+
+
 def test_model_check_fails_on_wrong_logits(tmp_path, monkeypatch):
     tiny_config(tmp_path)
     from cudnn_attention.integrations.hf import doctor_model
 
     real = doctor_model._step
 
-    def step(model, batch, *, keep_on):
-        logits, grads = real(model, batch, keep_on=keep_on)
+    def step(model, runs, *, keep_on):
+        logits, grads = real(model, runs, keep_on=keep_on)
         if model.config._attn_implementation == "cudnn":
             logits = logits + 0.1
         return logits, grads
