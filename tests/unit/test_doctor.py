@@ -205,3 +205,24 @@ def test_gpu_every_check_passes():
     report = doctor.build_report()
     assert report.exit_status == 0, report.format()
     assert report.versions["compute_capability"] and report.versions["cudnn_backend"]
+
+
+@pytest.mark.gpu
+def test_gpu_model_check_passes(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from cudnn_attention.integrations.hf import doctor_model
+
+    transformers.MistralConfig(
+        vocab_size=1000,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        sliding_window=64,
+    ).save_pretrained(tmp_path)
+    checks = doctor_model.model_checks(str(tmp_path), device=torch.device("cuda"))
+    assert [(check.name, check.status) for check in checks] == [("model dense", "pass"), ("model packed", "pass")], [
+        check.summary() for check in checks
+    ]
