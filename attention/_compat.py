@@ -21,6 +21,8 @@ __all__ = [
     "attn_implementation_of",
     "custom_op_body",
     "destroy_library",
+    "flop_registry",
+    "holds_values",
     "kernel_registrations",
     "monitor_throughputs",
     "op_schema",
@@ -89,6 +91,31 @@ def op_schema(packet) -> torch.FunctionSchema:
     ``OpOverload._schema``: checked against torch 2.9-2.15 (run on 2.13). When it moves, parse the
     ``schema:`` line of ``torch._C._dispatch_dump(name)`` with :func:`parse_schema`."""
     return packet.default._schema
+
+
+def flop_registry() -> dict:
+    """``torch.utils.flop_counter``'s table of formulas, op packet -> formula, which ``FlopCounterMode`` copies when it
+    is built (``register_flop_formula`` adds to it, and refuses a packet already there).
+
+    ``torch.utils.flop_counter.flop_registry``, a module global outside its ``__all__``: checked against torch 2.9-2.15
+    (run on 2.13 and 2.15). When it moves, ``FlopCounterMode(custom_mapping=...)`` takes the same formulas per counter."""
+    import torch.utils.flop_counter
+
+    return torch.utils.flop_counter.flop_registry
+
+
+def holds_values(t: torch.Tensor) -> bool:
+    """Whether ``t``'s values can be read: not a meta tensor, nor a fake one (``torch.compile``'s tracing, FakeTensorMode).
+
+    ``torch._subclasses.fake_tensor.is_fake`` (a FakeTensor, or a functional wrapper around one): checked against torch
+    2.9-2.15. When it moves, ``isinstance(t, torch._subclasses.FakeTensor)`` covers the common case."""
+    if t.device.type == "meta":
+        return False
+    try:
+        from torch._subclasses.fake_tensor import is_fake
+    except ImportError:
+        return True
+    return not is_fake(t)
 
 
 def parse_schema(text: str) -> torch.FunctionSchema:

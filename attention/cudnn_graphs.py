@@ -26,6 +26,8 @@ from .masking import MaskSpec
 from .policy import note_graph_build
 
 __all__ = [
+    "KNOWN_WRONG",
+    "PACKED_D256_BACKWARD_WRONG",
     "CompiledGraph",
     "GraphRejected",
     "GraphSpec",
@@ -280,6 +282,11 @@ atexit.register(_release_at_exit)
 # ----------------------------------------------------------------------------------------------
 
 
+# What known_wrong holds back, as users read it (the doctor lists them).
+PACKED_D256_BACKWARD_WRONG = "cuDNN's packed backward at D 256 with a different D_v returns wrong gradients (seen with cuDNN 9.19)"
+KNOWN_WRONG = (PACKED_D256_BACKWARD_WRONG,)
+
+
 def known_wrong(spec: GraphSpec) -> str | None:
     """Why cuDNN would compute ``spec``'s graph wrongly although it builds it, or None.
 
@@ -292,7 +299,7 @@ def known_wrong(spec: GraphSpec) -> str | None:
         # cuDNN 9.19 on an H200: the packed (ragged) backward at D 256 with D_v 80 or 128 returns NaN and garbage
         # in dQ/dK/dV (13 of 4,000 fuzz cases, every one of them); D_v 32, 64, 160, 192 passed a small sample and
         # dense graphs all passed, but the same engine serves them, so the whole D 256, D_v != D corner is held back.
-        return "cuDNN's packed backward at D 256 with a different D_v returns wrong gradients (seen with cuDNN 9.19)"
+        return PACKED_D256_BACKWARD_WRONG
     return None
 
 

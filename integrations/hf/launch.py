@@ -12,6 +12,8 @@ Example:
     cudnn-attention run -- trl sft --model_name_or_path ./model --attn_implementation cudnn --padding_free true ...
     cudnn-attention run -- accelerate launch train.py        # train.py passes attn_implementation="cudnn"
     CUDNN_ATTENTION_STRICT=1 cudnn-attention run -- ...      # any fallback from cuDNN raises
+
+``cudnn-attention doctor [--model PATH_OR_CONFIG] [--json]`` checks this machine instead (:mod:`cudnn_attention.doctor`).
 """
 
 from __future__ import annotations
@@ -48,13 +50,33 @@ def _parser() -> argparse.ArgumentParser:
         epilog="example: cudnn-attention run -- trl sft --model_name_or_path ./model --attn_implementation cudnn ...",
     )
     run.add_argument("command", nargs=argparse.REMAINDER, metavar="COMMAND", help="the command and its arguments, after --")
+    doctor = actions.add_parser(
+        "doctor",
+        help="print the versions that matter and check each cuDNN path on this GPU; exit status 0 only when every check passed",
+        description="Prints torch, CUDA, cuDNN, frontend, transformers and Lightning versions and the GPU, runs each path "
+        "(dense, padded, packed, window, sinks) forward and backward in bfloat16 against the exact path, says whether "
+        "cuDNN served it, and lists the known issues of the detected cuDNN. See docs/doctor.md.",
+    )
+    model_help = (
+        "also check one forward and backward of this transformers model on cuDNN against eager: a directory with weights, "
+        "or a config (a config.json, or a directory or hub id without weights: a small random model of its first layers)"
+    )
+    doctor.add_argument("--model", metavar="PATH_OR_CONFIG", help=model_help)
+    doctor.add_argument("--json", action="store_true", help="print the report as JSON")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Console script ``cudnn-attention``; ``run`` replaces this process with the command (its exit status is the command's)."""
+    """Console script ``cudnn-attention``; ``run`` replaces this process with the command (its exit status is the command's);
+    ``doctor`` prints its report and returns its exit status (:mod:`cudnn_attention.doctor`)."""
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.action == "doctor":
+        from ... import doctor
+        from .doctor_model import model_checks
+
+        extra = None if args.model is None else (lambda device: model_checks(args.model, device=device))
+        return doctor.main(as_json=args.json, extra_checks=extra)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         parser.error("run needs a command after --, e.g. cudnn-attention run -- trl sft --attn_implementation cudnn ...")
