@@ -1,4 +1,4 @@
-"""The exact PyTorch path against the naive per-element attention: outputs and every gradient."""
+"""The exact PyTorch path against the tests' float64 reference (``support/reference64.py``): outputs and every gradient."""
 
 import sys
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import cudnn_attention
-from naive import naive_dense, naive_varlen
+from support.reference64 import reference_attention, reference_varlen_attention
 
 # fp32 math against float64: a few ulps of fp32 relative to each tensor's magnitude.
 RTOL = 2e-5
@@ -36,9 +36,9 @@ DENSE_CASES = {
 }
 
 
-def _naive_options(case, scale):
-    window = case.get("window_size", (-1, -1))
-    return dict(scale=scale, left=window[0], right=window[1], causal=case.get("causal", False), bottom_right=case.get("bottom_right", False))
+def _reference_options(case, scale):
+    return dict(scale=scale, causal=case.get("causal", False), bottom_right=case.get("bottom_right", False),
+                window_size=case.get("window_size", (-1, -1)))
 
 
 @pytest.mark.parametrize("name", list(DENSE_CASES))
@@ -62,7 +62,8 @@ def test_dense_fallback_matches_naive(name):
     grads = torch.autograd.grad(out, [t for t in (q, k, v, sinks) if t is not None], grad_out)
 
     leaves = [t.detach().double().requires_grad_() for t in (q, k, v, sinks) if t is not None]
-    expected = naive_dense(*leaves[:3], sinks=leaves[3] if sinks is not None else None, len_q=len_q, len_kv=len_kv, **_naive_options(case, 0.3))
+    expected = reference_attention(*leaves[:3], sinks=leaves[3] if sinks is not None else None, seqlens_q=len_q, seqlens_kv=len_kv,
+                                   **_reference_options(case, 0.3))
     expected_grads = torch.autograd.grad(expected, leaves, grad_out.double())
 
     assert out.dtype == q.dtype and out.shape == (B, H, S_q, D_v)
@@ -112,7 +113,7 @@ def test_varlen_fallback_matches_naive(name):
     grads = torch.autograd.grad(out, [t for t in (q, k, v, sinks) if t is not None], grad_out)
 
     leaves = [t.detach().double().requires_grad_() for t in (q, k, v, sinks) if t is not None]
-    expected = naive_varlen(*leaves[:3], cu_q, cu_kv, sinks=leaves[3] if sinks is not None else None, **_naive_options(case, 0.4))
+    expected = reference_varlen_attention(*leaves[:3], cu_q, cu_kv, sinks=leaves[3] if sinks is not None else None, **_reference_options(case, 0.4))
     expected_grads = torch.autograd.grad(expected, leaves, grad_out.double())
     assert_close_rel(out, expected, "out")
     for name_, got, want in zip(("dq", "dk", "dv", "dsinks"), grads, expected_grads):
@@ -153,7 +154,7 @@ def test_transposed_views_keep_layout():
     q_BSHD = torch.randn(2, 5, 4, 8)
     out = cudnn_attention.attention(q_BSHD.transpose(1, 2), q_BSHD.transpose(1, 2), q_BSHD.transpose(1, 2), causal=True)
     assert out.shape == (2, 4, 5, 8)
-    expected = naive_dense(*(q_BSHD.transpose(1, 2),) * 3, scale=8**-0.5, causal=True)
+    expected = reference_attention(*(q_BSHD.transpose(1, 2),) * 3, scale=8**-0.5, causal=True)
     assert_close_rel(out, expected, "out")
 
 

@@ -10,7 +10,7 @@ import cudnn_attention
 from cudnn_attention.masking import make_mask_spec
 from cudnn_attention.reference import dense_reference
 
-from naive import naive_dense, naive_varlen
+from support.reference64 import reference_attention, reference_varlen_attention
 
 # float64 math against a float64 reference: summation order only. float32 math lands near 1e-7 of the magnitude,
 # five orders of magnitude above this, so a float32 computation cannot pass.
@@ -106,10 +106,7 @@ def test_dense_float64_matches_float64_naive(name):
     case = DENSE_CASES[name]
     q, k, v, sinks, lengths, options = _dense_inputs(case, seed=2)
     out = cudnn_attention.attention(q, k, v, scale=0.7, sinks=sinks, **lengths, **options)
-    window = options["window_size"]
-    expected = naive_dense(q, k, v, scale=0.7, left=window[0], right=window[1], causal=options["causal"],
-                           bottom_right=options["bottom_right"], sinks=sinks, len_q=lengths.get("seqlens_q"),
-                           len_kv=lengths.get("seqlens_kv"))  # fmt: skip
+    expected = reference_attention(q, k, v, scale=0.7, sinks=sinks, **lengths, **options)
     _assert_close64(out, expected, "out")
     leaves = [t for t in (q, k, v, sinks) if t is not None]
     grad_out = torch.randn_like(out)
@@ -122,9 +119,7 @@ def test_dense_float64_matches_float64_naive(name):
 def test_varlen_float64_matches_float64_naive(name):
     q, k, v, sinks, packing, options, _ = _varlen_inputs(VARLEN_CASES[name], seed=3)
     out = cudnn_attention.varlen_attention(q, k, v, *packing, scale=0.7, sinks=sinks, **options)
-    window = options["window_size"]
-    expected = naive_varlen(q, k, v, packing[0], packing[1], scale=0.7, left=window[0], right=window[1], causal=options["causal"],
-                            bottom_right=options["bottom_right"], sinks=sinks)  # fmt: skip
+    expected = reference_varlen_attention(q, k, v, packing[0], packing[1], scale=0.7, sinks=sinks, **options)
     _assert_close64(out, expected, "out")
 
 
