@@ -1,11 +1,12 @@
-"""An independent, vectorized attention reference for the fuzz and bad-input tests, plus their comparison rule.
+"""The tests' one float64 reference: an independent, vectorized attention, plus the comparison the fuzz, bad-input and
+LSE tests apply (``evaluate_call``) under the tolerance rule of ``support/tolerances.py``.
 
 It shares no code with the package (``attention/reference.py``, ``attention/masking.py``): the visibility
-rules of ``tests/naive.py`` are spelled out again here as explicit boolean masks, and gradients come from
-torch autograd. Run it in float64 for the ground truth, or in the inputs' low-precision dtype to measure
-how far the same math lands in that dtype (FlashAttention's tolerance rule).
+rules are spelled out again here as explicit boolean masks, and gradients come from torch autograd. Run it
+in float64 for the ground truth, or in the inputs' low-precision dtype to measure how far the same math
+lands in that dtype (FlashAttention's tolerance rule).
 
-Semantics (those of ``naive.py`` and of the package after its fixes):
+Semantics (those of the package after its fixes):
 
 * query ``i`` sees key ``j`` iff ``j < len_kv``, ``i < len_q`` and ``row - left <= j <= row + right``
   (a side at -1 is unbounded), where ``row = i + (len_kv - len_q)`` with ``bottom_right`` and a band,
@@ -26,6 +27,8 @@ from __future__ import annotations
 import math
 
 import torch
+
+from support.tolerances import noise_bound
 
 __all__ = ["compare_tensors", "evaluate_call", "implied_qk_errors", "reference_attention", "reference_varlen_attention"]
 
@@ -185,7 +188,8 @@ def reference_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_
 
 
 def compare_tensors(name: str, got, ref, lowp, *, floor_rel: float, magnitude: float = 0.0, flash=None, implied: float = 0.0) -> dict:
-    """FlashAttention's rule: ``max|got - ref| <= 2 * max|lowp - ref| + implied + floor_rel * max(max|ref|, magnitude)``.
+    """FlashAttention's rule (``support.tolerances.noise_bound``):
+    ``max|got - ref| <= 2 * max|lowp - ref| + implied + floor_rel * max(max|ref|, magnitude)``.
 
     ``magnitude`` keeps the floor meaningful where the reference is exactly zero although the kernel
     does real arithmetic (dQ and dK when each row sees one key: ``P (dP - D)`` cancels to zero only
@@ -220,7 +224,7 @@ def compare_tensors(name: str, got, ref, lowp, *, floor_rel: float, magnitude: f
         flash = flash.detach().double()[finite]
         base = max(base, (flash - ref).abs().max().item())
     err = (got - ref).abs().max().item()
-    bound = 2 * base + implied + floor_rel * max(ref.abs().max().item(), magnitude)
+    bound = noise_bound(base, max(ref.abs().max().item(), magnitude), floor_rel=floor_rel, implied=implied)
     ok = err <= bound
     return {"name": name, "ok": ok, "err": err, "bound": bound, "why": "" if ok else f"error {err:.3g} > bound {bound:.3g} (low-precision error {base:.3g})"}
 
