@@ -1,6 +1,6 @@
 import pytest
 import torch
-from served_on_cpu import served_on_cpu  # noqa: F401 - a fixture, for every test module
+from support.served_on_cpu import served_on_cpu  # noqa: F401 - a fixture, for every test module
 
 
 def pytest_collection_modifyitems(config, items):

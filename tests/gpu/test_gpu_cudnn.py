@@ -10,24 +10,12 @@ import pytest
 import torch
 
 import cudnn_attention
-from cudnn_attention.masking import make_mask_spec
-from cudnn_attention.reference import dense_reference, varlen_reference
-from tolerances import assert_within_lowp_noise
-from sync_debug import warm_and_run
+from cudnn_attention.reference import varlen_reference
+from support.gpu_checks import check_against_references, check_dense, poison_allocator
+from support.sync_debug import warm_and_run
 
 pytestmark = pytest.mark.gpu
 DEVICE = "cuda"
-
-
-def _poison_allocator(*like):
-    """Fill and free blocks shaped like the outputs to come, so that memory a kernel fails to write
-    reads NaN rather than the zeros of freshly mapped memory."""
-    junk = [torch.full_like(t, float("nan")) for t in like for _ in range(8)]
-    del junk
-
-
-def _grads(out, inputs, grad_out):
-    return torch.autograd.grad(out, [t for t in inputs if t is not None], grad_out)
 
 
 MASKS = {
@@ -53,55 +41,22 @@ def _dense_case(mask_name, group, head_dim, dtype, sinks=False, seed=0):
     return q, k, v, s
 
 
-def _check_against_references(run_cudnn, run_reference, options, q, k, v, sinks):
-    """Run cuDNN (strict: it must serve forward and backward) and the reference in fp32 and in the
-    input dtype; every output and gradient must sit within the low-precision noise."""
-    grad_out = torch.randn(q.shape[:-1] + v.shape[-1:], device=DEVICE, dtype=q.dtype)
-    cudnn_attention.reset_stats()
-    with cudnn_attention.strict():
-        out = run_cudnn(q, k, v, sinks=sinks, **options)
-        grads = _grads(out, (q, k, v, sinks), grad_out)
-    assert cudnn_attention.stats()["cudnn_forward"] == 1 and cudnn_attention.stats()["cudnn_backward"] == 1
-    mask = make_mask_spec(causal=options.get("causal", False), bottom_right=options.get("bottom_right", False),
-                          window_size=options.get("window_size", (-1, -1)))  # fmt: skip
-    scale = q.shape[-1] ** -0.5 if options.get("scale") is None else options["scale"]  # the call's scale; None: 1 / sqrt(D)
-    results = {}
-    for dtype in (torch.float32, q.dtype):
-        leaves = [t.detach().clone().to(dtype).requires_grad_() for t in (q, k, v)]
-        sink_leaf = None if sinks is None else sinks.detach().clone().to(dtype).requires_grad_()
-        ref, _ = run_reference(*leaves, scale=scale, mask=mask, sinks_H=sink_leaf, compute_dtype=dtype)
-        results[dtype] = (ref, _grads(ref, (*leaves, sink_leaf), grad_out.to(ref.dtype)))
-    (ref, ref_grads), (lowp, lowp_grads) = results[torch.float32], results[q.dtype]
-    assert_within_lowp_noise("out", out, ref, lowp)
-    for name, got, want, base in zip(("dq", "dk", "dv", "dsinks"), grads, ref_grads, lowp_grads):
-        assert_within_lowp_noise(name, got, want, base)
-    return out, grads
-
-
-def _check_dense(options, q, k, v, sinks, seqlens=(None, None)):
-    return _check_against_references(
-        lambda *t, **kw: cudnn_attention.attention(*t, seqlens_q=seqlens[0], seqlens_kv=seqlens[1], **kw),
-        lambda *t, **kw: dense_reference(*t, seqlens_q_B=seqlens[0], seqlens_kv_B=seqlens[1], **kw),
-        options, q, k, v, sinks,
-    )  # fmt: skip
-
-
 @pytest.mark.parametrize("mask_name, group, head_dim, dtype", GRID)
 def test_dense_matches_fp32_reference(mask_name, group, head_dim, dtype):
-    _check_dense(MASKS[mask_name], *_dense_case(mask_name, group, head_dim, dtype))
+    check_dense(MASKS[mask_name], *_dense_case(mask_name, group, head_dim, dtype))
 
 
 @pytest.mark.parametrize("name, options", SINK_CASES)
 @pytest.mark.parametrize("group", (1, 8))
 def test_dense_sinks_match_fp32_reference(name, options, group):
-    _check_dense(options, *_dense_case("causal", group, 64, torch.bfloat16, sinks=True))
+    check_dense(options, *_dense_case("causal", group, 64, torch.bfloat16, sinks=True))
 
 
 def test_padded_dense_with_sinks_and_bottom_right():
     q, k, v, sinks = _dense_case("causal", 4, 64, torch.bfloat16, sinks=True)
     seqlens = (torch.tensor([203, 150], device=DEVICE), torch.tensor([203, 170], device=DEVICE))
-    _poison_allocator(q, k, v)
-    out, grads = _check_dense(dict(causal=True, bottom_right=True), q, k, v, sinks, seqlens)
+    poison_allocator(q, k, v)
+    out, grads = check_dense(dict(causal=True, bottom_right=True), q, k, v, sinks, seqlens)
     assert out[1, :, 150:].abs().max() == 0 and grads[0][1, :, 150:].abs().max() == 0
     assert grads[1][1, :, 170:].abs().max() == 0 and grads[2][1, :, 170:].abs().max() == 0
     assert all(torch.isfinite(g).all() for g in grads)
@@ -122,7 +77,7 @@ def _packed_case(lengths, group=4, head_dim=64, dtype=torch.bfloat16, sinks=Fals
 
 
 def _check_packed(options, q, k, v, sinks, cu_q, cu_kv, max_q, max_kv):
-    return _check_against_references(
+    return check_against_references(
         lambda *t, **kw: cudnn_attention.varlen_attention(*t, cu_q, cu_kv, max_q, max_kv, **kw),
         lambda *t, **kw: varlen_reference(*t, cu_q, cu_kv, max_q, max_kv, **kw),
         options, q, k, v, sinks,
@@ -155,7 +110,7 @@ def test_packed_head_major_inputs_get_right_gradients(sinks):
 
 def test_packed_empty_documents_and_capacity_tail_are_zero():
     q, k, v, sinks, cu_q, cu_kv, mq, mk = _packed_case([50, 0, 31, 0], sinks=True, tail=7)
-    _poison_allocator(q, k, v)
+    poison_allocator(q, k, v)
     out, grads = _check_packed(dict(causal=True), q, k, v, sinks, cu_q, cu_kv, mq, mk)
     assert out[-7:].abs().max() == 0
     assert all(g[-7:].abs().max() == 0 for g in grads[:3])
@@ -189,7 +144,7 @@ def test_packed_outputs_without_their_fill_are_written_in_every_row(mask_name, s
     q, k, v, s, cu, _, mq, mk = _packed_case([*ODD_LENGTHS, 0, 40], sinks=sinks)
     validation.check_prefix_sums(cu, cu, q.shape[0], k.shape[0], mq, mk, validate=False, cover_all=True)
     fills = _spy_on_fills(monkeypatch)
-    _poison_allocator(q, k, v, torch.empty(q.shape[:2], device=DEVICE))
+    poison_allocator(q, k, v, torch.empty(q.shape[:2], device=DEVICE))
     out, grads = _check_packed(MASKS[mask_name], q, k, v, s, cu, cu, mq, mk)
     assert fills == {"forward": [False], "backward": [False]}
     assert torch.isfinite(out).all() and all(torch.isfinite(g).all() for g in grads)
@@ -206,7 +161,7 @@ def test_the_poison_shows_a_fill_skipped_where_rows_are_unwritten(monkeypatch):
     monkeypatch.setattr(call, "packed_lengths", covering)
     monkeypatch.setattr(api, "packed_lengths", covering)
     q, k, v, _, cu_q, cu_kv, mq, mk = _packed_case([50, 31], tail=7)
-    _poison_allocator(q, k, v)
+    poison_allocator(q, k, v)
     with torch.no_grad():
         out = cudnn_attention.varlen_attention(q, k, v, cu_q, cu_kv, mq, mk, causal=True)
     assert not torch.isfinite(out[-7:]).all()

@@ -8,10 +8,10 @@ import torch
 import cudnn_attention
 
 transformers = pytest.importorskip("transformers")
-from child_process import run_python  # noqa: E402
-from gradients import gradient_mismatches, parameter_gradients  # noqa: E402
-from hf_models import MODELS, VOCAB, build, documents, packed_batch, padded_batch  # noqa: E402
-from tolerances import assert_within_lowp_noise, lowp_noise_bound  # noqa: E402
+from support.child_process import run_python  # noqa: E402
+from support.model_gradients import gradient_mismatches, parameter_gradients  # noqa: E402
+from support.hf_models import MODELS, VOCAB, build, documents, packed_batch, padded_batch  # noqa: E402
+from support.tolerances import assert_within_lowp_noise, lowp_noise_bound  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 DEVICE = "cuda"
@@ -239,7 +239,7 @@ _BAD_PACKING_ON_DEVICE = """
 import sys, torch
 sys.path.insert(0, {tests!r})
 import cudnn_attention
-from hf_models import build, documents, packed_batch
+from support.hf_models import build, documents, packed_batch
 model = build("llama", "cudnn", dtype=torch.bfloat16, device="cuda", head_dim=64)
 batch = packed_batch(documents((30, 50), seed=0), device="cuda")
 batch.update({update})
@@ -255,7 +255,8 @@ def test_bad_packing_metadata_fails_on_the_device(update):
     # CUDA metadata is checked on the device (no sync): a failed torch._assert_async poisons the CUDA context, so run it apart.
     import os
 
-    code = _BAD_PACKING_ON_DEVICE.format(tests=os.path.dirname(__file__), update=update)
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/, for `support`
+    code = _BAD_PACKING_ON_DEVICE.format(tests=tests, update=update)
     result = run_python(code, timeout=None)
     assert result.returncode != 0 and "no error" not in result.stdout, result.stdout + result.stderr
     assert "assert" in result.stderr.lower(), result.stderr[-2000:]

@@ -17,7 +17,7 @@ import torch
 import cudnn_attention
 
 transformers = pytest.importorskip("transformers")
-from hf_models import VOCAB, build  # noqa: E402
+from support.hf_models import VOCAB, build  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 DEVICE = "cuda"

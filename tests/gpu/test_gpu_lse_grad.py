@@ -11,8 +11,8 @@ import itertools
 
 import pytest
 import torch
-from reference64 import compare_tensors, evaluate_call, reference_attention
-from sync_debug import warm_and_run
+from support.reference64 import compare_tensors, evaluate_call, reference_attention
+from support.sync_debug import warm_and_run
 
 import cudnn_attention
 from cudnn_attention import cudnn_ops, launch

@@ -22,7 +22,7 @@ import torch
 import cudnn_attention
 from cudnn_attention import cudnn_graphs
 from cudnn_attention import plan as plans
-from reference64 import evaluate_call
+from support.reference64 import evaluate_call
 
 pytestmark = pytest.mark.gpu
 

@@ -13,7 +13,7 @@ import cudnn_attention
 from cudnn_attention import provider
 from cudnn_attention.masking import MaskSpec
 from cudnn_attention.reference import dense_reference, varlen_reference
-from tolerances import assert_within_lowp_noise
+from support.tolerances import assert_within_lowp_noise
 
 pytestmark = pytest.mark.gpu
 DEVICE = "cuda"
@@ -201,7 +201,7 @@ def _gpu_trainer(tmp_path, callbacks, logger=False):
 
 
 def _model(kv_heads=2):
-    from lightning_models import TinyLlamaModule
+    from support.lightning_models import TinyLlamaModule
 
     class WithFlops(TinyLlamaModule):
         @property

@@ -8,7 +8,7 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("matplotlib")
 
-from gradients import gradient_mismatches, recipe_batches, recipe_gradients  # noqa: E402
+from support.model_gradients import gradient_mismatches, recipe_batches, recipe_gradients  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 STEPS = 20

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 import cudnn_attention
-from child_process import run_python
+from support.child_process import run_python
 from cudnn_attention.masking import make_mask_spec
 from cudnn_attention.reference import dense_reference, varlen_reference
-from test_gpu_cudnn import _check_dense, _poison_allocator
-from tolerances import assert_within_lowp_noise
+from support.gpu_checks import check_dense, poison_allocator
+from support.tolerances import assert_within_lowp_noise
 
 pytestmark = pytest.mark.gpu
 DEVICE = "cuda"
@@ -27,10 +27,10 @@ def _dense(B=3, H=4, H_kv=2, S=64, D=64, dtype=torch.bfloat16, seed=0):
 @pytest.mark.parametrize("seqlens_q, seqlens_kv", [([62, 0, 52], [62, 0, 52]), ([4, 12, 9], [0, 12, 9]), ([0, 64, 3], [64, 0, 3])])
 def test_rows_without_queries_or_keys_are_zero_with_zero_gradient(seqlens_q, seqlens_kv):
     q, k, v = _dense()
-    _poison_allocator(q, q, q)  # stale NaN where a kernel leaves rows unwritten
+    poison_allocator(q, q, q)  # stale NaN where a kernel leaves rows unwritten
     lengths = (torch.tensor(seqlens_q, device=DEVICE), torch.tensor(seqlens_kv, device=DEVICE))
     for _ in range(3):  # the stale memory differed from call to call
-        out, grads = _check_dense(dict(causal=True), q, k, v, None, lengths)
+        out, grads = check_dense(dict(causal=True), q, k, v, None, lengths)
         assert torch.isfinite(out).all() and all(torch.isfinite(g).all() for g in grads)
         for b, (n_q, n_kv) in enumerate(zip(seqlens_q, seqlens_kv)):
             if n_q == 0 or n_kv == 0:
@@ -183,7 +183,7 @@ def test_single_query_with_sinks_stays_on_cudnn(padded):
     k, v = (torch.randn(2, 2, 77, 64, device=DEVICE, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
     sinks = torch.randn(4, device=DEVICE, requires_grad=True)
     lengths = (None, torch.tensor([77, 30], device=DEVICE)) if padded else (None, None)
-    _check_dense(dict(causal=True, bottom_right=True), q, k, v, sinks, lengths)
+    check_dense(dict(causal=True, bottom_right=True), q, k, v, sinks, lengths)
 
 
 _DSINK_GRID = [  # (layout, lengths, H, H_kv, D, causal, window_left); bf16 q/k/v, float32 sinks
@@ -202,7 +202,7 @@ def test_dsink_error_over_a_grid(capsys):
     float64 identity applied to the kernel's own O and LSE to float32 accuracy, and its error against the
     float64 reference is what the kernel's bf16 O implies (printed beside the flash-style and bf16-autograd
     errors, as a table)."""
-    from reference64 import compare_tensors, flash_style_dsinks, implied_dsinks_error, reference_attention, reference_varlen_attention
+    from support.reference64 import compare_tensors, flash_style_dsinks, implied_dsinks_error, reference_attention, reference_varlen_attention
 
     rows = []
     for layout, lengths, H, H_kv, D, causal, left in _DSINK_GRID:

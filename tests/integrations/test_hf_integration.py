@@ -6,10 +6,10 @@ import torch
 import cudnn_attention
 from cudnn_attention import _compat
 
-from child_process import python_output
+from support.child_process import python_output
 
 transformers = pytest.importorskip("transformers")
-from hf_models import MODELS, VOCAB, build, documents, packed_batch, padded_batch  # noqa: E402
+from support.hf_models import MODELS, VOCAB, build, documents, packed_batch, padded_batch  # noqa: E402
 
 RTOL = 1e-4  # fp32 against fp32: summation order only
 

@@ -17,7 +17,7 @@ import pytest
 
 from cudnn_attention.integrations.hf import launch
 
-from child_process import last_json
+from support.child_process import last_json
 
 transformers = pytest.importorskip("transformers")
 

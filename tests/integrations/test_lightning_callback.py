@@ -19,7 +19,7 @@ import cudnn_attention
 from cudnn_attention import _compat, provider
 from cudnn_attention.integrations.lightning import CudnnAttention, fabric_attention
 from cudnn_attention.integrations.lightning import factory
-from lightning_models import TinyLlamaModule, tiny_llama
+from support.lightning_models import TinyLlamaModule, tiny_llama
 
 LAYERS, STEPS = 2, 2
 FLAG = "--trainer.callbacks+=cudnn_attention.integrations.lightning.CudnnAttention"

@@ -23,7 +23,7 @@ import contextlib
 from typing import NamedTuple
 
 import torch
-from reference64 import _softmax_attention, dense_visibility, packed_visibility
+from support.reference64 import _softmax_attention, dense_visibility, packed_visibility
 
 from cudnn_attention import _compat, cudnn_ops, launch
 from cudnn_attention import plan as plans

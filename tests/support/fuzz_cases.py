@@ -1,7 +1,7 @@
 """Seeded random attention configurations for the fuzz tests, and one function that runs and checks a case.
 
 A case is a JSON-serializable dict drawn by :func:`draw_case` from ``(seed, index)`` alone, so any case is
-reproduced by its seed and index (``python tests/fuzz_worker.py --seed S --start I --count 1 --out -``).
+reproduced by its seed and index (``python tests/support/fuzz_worker.py --seed S --start I --count 1 --out -``).
 Cases come in families of :data:`FAMILY` consecutive indices that share everything a cuDNN graph is built
 for (dtype, shapes, strides, mask, scale, sinks, need_lse, max_seqlen bounds) and redraw only the data and
 the lengths (dense ``seqlens``, packed document lengths under the family's bounds), so each family builds
@@ -301,7 +301,7 @@ def run_case(case: dict, device: str, *, floor_rel: float | None = None) -> dict
     """Build, run and check one case; never raises. Returns a JSON-serializable record."""
     import cudnn_attention
 
-    from reference64 import evaluate_call
+    from support.reference64 import evaluate_call
 
     record = {"index": case["index"], "label": case_label(case), "ok": False, "path": "none", "backward_path": "none"}
     start = time.perf_counter()

@@ -1,6 +1,6 @@
 """One fuzz worker: run cases ``start .. start + count - 1`` of a seeded run and log each as JSON lines.
 
-    python tests/fuzz_worker.py --seed 1234 --start 0 --count 250 --out results.jsonl [--device cuda] [--profile gpu]
+    python tests/support/fuzz_worker.py --seed 1234 --start 0 --count 250 --out results.jsonl [--device cuda] [--profile gpu]
 
 Each case writes a ``{"event": "start", ...}`` line (with its full config) before it runs and a
 ``{"event": "end", ...}`` line after, both flushed and fsynced, so a process killed by a GPU fault
@@ -17,7 +17,7 @@ import os
 import sys
 import warnings
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/, for `support`
 
 POISONED_EXIT = 3
 
@@ -45,7 +45,7 @@ def main(argv=None) -> int:
     import torch
 
     import cudnn_attention
-    from fuzz_cases import draw_case, run_case
+    from support.fuzz_cases import draw_case, run_case
 
     torch.set_num_threads(args.threads)
     warnings.simplefilter("ignore", cudnn_attention.CudnnAttentionFallbackWarning)

@@ -12,7 +12,7 @@ Outcomes (the table printed at the end, and written to ``$CUDNN_ATTENTION_BAD_IN
 
 CPU cases (float32 and friends, served by the exact fallback) run in-process. GPU cases (bfloat16 on CUDA) run
 each in its own subprocess, eight at a time, so a CUDA fault is one failing case, not a dead suite:
-``python tests/test_bad_inputs.py --case NAME`` runs one and prints its outcome.
+``python tests/unit/test_bad_inputs.py --case NAME`` runs one and prints its outcome.
 """
 
 from __future__ import annotations
@@ -27,13 +27,13 @@ import traceback
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for `support` when run as a script
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import cudnn_attention  # noqa: E402
-from reference64 import evaluate_call  # noqa: E402
+from support.reference64 import evaluate_call  # noqa: E402
 
 GOOD = ("clear error", "correct", "fails loudly")
 RESULTS: dict[str, tuple[str, str]] = {}  # "name[device]" -> (outcome, detail)
@@ -910,7 +910,7 @@ def test_matrix_is_large_enough():
 def _run_in_subprocess(name: str, timeout: float = 300.0) -> tuple[str, str]:
     command = [sys.executable, str(Path(__file__).resolve()), "--case", name, "--device", "cuda"]
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=Path(__file__).resolve().parent.parent)
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=Path(__file__).resolve().parents[2])
     except subprocess.TimeoutExpired:
         return "crash", f"timed out after {timeout:.0f} s"
     for line in done.stdout.splitlines():

@@ -202,7 +202,7 @@ def test_compiled_transformers_model_equals_eager(batch):
     # A tiny Llama-like model (transformers.LlamaConfig) with attn_implementation="cudnn", compiled whole with fullgraph:
     # transformers' own code and this project's HF layer and core all trace, on the real CPU fallback.
     pytest.importorskip("transformers")
-    from hf_models import build, documents, packed_batch
+    from support.hf_models import build, documents, packed_batch
 
     model = build("llama", "cudnn")
     if batch == "packed flash kwargs":

@@ -8,7 +8,7 @@ import os
 import subprocess
 
 import pytest
-from child_process import run_python
+from support.child_process import run_python
 
 CHECK = r'''
 import sys, torch

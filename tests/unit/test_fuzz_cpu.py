@@ -1,6 +1,6 @@
 """The fuzz generator and checker on CPU: seeded float32 cases served by the exact fallback, against float64.
 
-Same code as the GPU fuzz (``fuzz_cases.py``, ``reference64.py``, ``fuzz_worker.py``) with the ``"cpu"`` profile:
+Same code as the GPU fuzz (``support/fuzz_cases.py``, ``support/reference64.py``, ``support/fuzz_worker.py``, ``support/fuzz_runner.py``) with the ``"cpu"`` profile:
 small shapes, float32 inputs, and a tight floor (2e-5 x |reference|) on top of twice float32's own error.
 """
 
@@ -11,8 +11,8 @@ from collections import Counter
 
 import pytest
 
-from fuzz_cases import DENSE_LAYOUTS, PACKED_LAYOUTS, case_label, draw_case, run_case, summarize
-from test_gpu_fuzz import run_fuzz
+from support.fuzz_cases import DENSE_LAYOUTS, PACKED_LAYOUTS, case_label, draw_case, run_case, summarize
+from support.fuzz_runner import run_fuzz
 
 SEED = int(os.environ.get("CUDNN_ATTENTION_FUZZ_SEED", "") or 7)
 CASES = 120
@@ -24,7 +24,7 @@ def test_cpu_fuzz_case(index):
     record = run_case(case, "cpu")
     if not record["ok"]:
         pytest.fail(summarize({index: record}, {index: case}, seed=SEED, requested=1,
-                              repro="python tests/fuzz_worker.py --seed {seed} --start {index} --count 1 --out - --device cpu --profile cpu")
+                              repro="python tests/support/fuzz_worker.py --seed {seed} --start {index} --count 1 --out - --device cpu --profile cpu")
                     + "\n" + record.get("traceback", ""))  # fmt: skip
     assert record["path"].startswith("fallback"), record["path"]
 

@@ -10,7 +10,7 @@ import itertools
 
 import pytest
 import torch
-from reference64 import evaluate_call
+from support.reference64 import evaluate_call
 
 import cudnn_attention
 

@@ -13,8 +13,8 @@ import itertools
 
 import pytest
 import torch
-from emulated_cudnn import emulated
-from reference64 import dense_visibility, evaluate_call, reference_attention
+from support.emulated_cudnn import emulated
+from support.reference64 import dense_visibility, evaluate_call, reference_attention
 
 import cudnn_attention
 from cudnn_attention import cudnn_ops

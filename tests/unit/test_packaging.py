@@ -6,7 +6,7 @@ import pytest
 
 import cudnn_attention
 
-from child_process import last_json, run_python
+from support.child_process import last_json, run_python
 
 packaging_markers = pytest.importorskip("packaging.requirements")
 

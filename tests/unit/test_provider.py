@@ -17,9 +17,9 @@ import torch
 import torch.nn.functional as F
 
 import cudnn_attention
-from child_process import python_output
+from support.child_process import python_output
 from cudnn_attention import _compat, provider, sdpa_overrides
-from provider_cpu import DENSE_OPS, VARLEN_OPS, in_fresh_thread, our_ops_on_cpu, per_document_reference
+from support.provider_cpu import DENSE_OPS, VARLEN_OPS, in_fresh_thread, our_ops_on_cpu, per_document_reference
 
 
 def _ours_registered(op: str) -> bool:

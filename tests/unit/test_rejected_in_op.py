@@ -4,8 +4,8 @@ with the ops' real kernels registered for CPU and every graph rejected (``emulat
 
 import pytest
 import torch
-from emulated_cudnn import emulated
-from reference64 import reference_attention, reference_varlen_attention
+from support.emulated_cudnn import emulated
+from support.reference64 import reference_attention, reference_varlen_attention
 
 import cudnn_attention
 from cudnn_attention import cudnn_ops
