@@ -22,7 +22,9 @@ from cudnn_attention.recipes.common import (
     pack_documents,
 )
 
-pytestmark = pytest.mark.no_gpu  # the recipes on a CPU machine; on a GPU they would take it (tests/test_gpu_recipes.py)
+from support.benchmark_scripts import check_in_script, run_script
+
+pytestmark = pytest.mark.no_gpu  # the recipes on a CPU machine; on a GPU they would take it (tests/gpu/test_gpu_recipes.py)
 STEPS = 3
 TINY_TOKENS = 1024  # the tiny preset's budget
 
@@ -214,53 +216,61 @@ def test_local_checkpoint_tokenizer_and_jsonl_dataset(tmp_path):
 
 
 def test_recipe_benchmark_runs_each_case_as_a_user_command_and_tabulates_it(tmp_path):
-    import recipe_training as benchmark
-
-    (record,) = benchmark.main(["--suite", "loss", "--quick", "--only", "sinks", "--out", str(tmp_path)])
+    done = run_script("recipe_training", "--suite", "loss", "--quick", "--only", "sinks", "--out", str(tmp_path))
+    assert done.returncode == 0, done.stderr[-3000:]
+    (record,) = json.loads((tmp_path / "recipes_loss.json").read_text())
     assert record["rc"] == 0 and record["command"].startswith("python3 recipes/train_sinks.py"), record
     assert list(record["metrics"]["runs"]) == ["cudnn", "eager", "flex_attention", "flash_attention_4"]
     table = (tmp_path / "recipes_loss.md").read_text()
     assert "| sinks | eager | 3 |" in table and "| sinks | flex_attention | skipped: flex_attention has no backward on CPU" in table
     assert "| sinks | flash_attention_4 | skipped: flash_attention_4 runs FlashAttention's CuTe kernels" in table
     assert (tmp_path / "recipes_loss" / "sinks.png").stat().st_size > 0
-    assert json.loads((tmp_path / "recipes_loss.json").read_text())[0]["case"] == "sinks"
-    for case in benchmark.cases("scaling", steps=7):  # --steps replaces each case's own count, keeping the rest
-        assert case.args[-2:] == ("--max_steps", "7") or case.args[-1] == "--trainer.max_steps=7", case
-        assert sum(arg in ("--max_steps",) or arg.startswith("--trainer.max_steps=") for arg in case.args) == 1
-        assert "small" in " ".join(case.args)
+    assert record["case"] == "sinks"
+    code = """
+        for case in recipe_training.cases("scaling", steps=7):  # --steps replaces each case's own count, keeping the rest
+            assert case.args[-2:] == ("--max_steps", "7") or case.args[-1] == "--trainer.max_steps=7", case
+            assert sum(arg in ("--max_steps",) or arg.startswith("--trainer.max_steps=") for arg in case.args) == 1, case
+            assert "small" in " ".join(case.args), case
+    """
+    check_in_script("recipe_training", code)
 
 
 def test_recipe_benchmark_seeds_reach_the_recipe_and_the_verdict_averages_over_them(tmp_path):
-    import dataclasses
+    code = """
+        import dataclasses
+        import sys
+        from pathlib import Path
 
-    import recipe_training as benchmark
+        benchmark = recipe_training
+        tmp_path = Path(sys.argv[1])
+        by_name = {case.name: case for case in benchmark.cases("loss")}
+        trainer = benchmark.command(dataclasses.replace(by_name["sinks"], seed=2), tmp_path)
+        lightning = benchmark.command(dataclasses.replace(by_name["lightning"], seed=2), tmp_path)
+        assert trainer[-2:] == ["--seed", "2"] and lightning[-2:] == ["--model.seed=2", "--seed_everything=2"], (trainer, lightning)
+        assert "--seed" not in benchmark.command(by_name["sinks"], tmp_path)
 
-    by_name = {case.name: case for case in benchmark.cases("loss")}
-    trainer = benchmark.command(dataclasses.replace(by_name["sinks"], seed=2), tmp_path)
-    lightning = benchmark.command(dataclasses.replace(by_name["lightning"], seed=2), tmp_path)
-    assert trainer[-2:] == ["--seed", "2"] and lightning[-2:] == ["--model.seed=2", "--seed_everything=2"], (trainer, lightning)
-    assert "--seed" not in benchmark.command(by_name["sinks"], tmp_path)
+        def record(seed, cudnn, sdpa):
+            distances = {"cudnn": cudnn, "sdpa": sdpa}
+            metrics = {"loss_max_abs_diff_vs_eager": {k: v[0] for k, v in distances.items()},
+                       "loss_mean_abs_diff_second_half_vs_eager": {k: v[1] for k, v in distances.items()}}
+            return {"case": "sliding_window", "seed": seed, "metrics": metrics}
 
-    def record(seed, cudnn, sdpa):
-        distances = {"cudnn": cudnn, "sdpa": sdpa}
-        metrics = {"loss_max_abs_diff_vs_eager": {k: v[0] for k, v in distances.items()},
-                   "loss_mean_abs_diff_second_half_vs_eager": {k: v[1] for k, v in distances.items()}}  # fmt: skip
-        return {"case": "sliding_window", "seed": seed, "metrics": metrics}
-
-    # cudnn is further from eager than sdpa for seed 0 and nearer for seed 1: the means decide.
-    seeds = [record(0, (0.06, 0.021), (0.05, 0.012)), record(1, (0.03, 0.010), (0.08, 0.030))]
-    (line,) = benchmark.loss_verdicts(seeds)
-    assert line.startswith("- sliding_window: cudnn 0.045 / 0.0155 vs sdpa 0.065 / 0.021 (means over 2 seeds;"), line
-    assert "cudnn 0.021, 0.01; sdpa 0.012, 0.03; seeds with cudnn at most sdpa's in 1/2 and 1/2, max and second half)" in line, line
-    assert line.endswith(": within what the other fused kernels show"), line
-    (line,) = benchmark.loss_verdicts(seeds[:1])
-    assert line == "- sliding_window: cudnn 0.06 / 0.021 vs sdpa 0.05 / 0.012: OUTSIDE what the other fused kernels show", line
+        # cudnn is further from eager than sdpa for seed 0 and nearer for seed 1: the means decide.
+        seeds = [record(0, (0.06, 0.021), (0.05, 0.012)), record(1, (0.03, 0.010), (0.08, 0.030))]
+        (line,) = benchmark.loss_verdicts(seeds)
+        assert line.startswith("- sliding_window: cudnn 0.045 / 0.0155 vs sdpa 0.065 / 0.021 (means over 2 seeds;"), line
+        assert "cudnn 0.021, 0.01; sdpa 0.012, 0.03; seeds with cudnn at most sdpa's in 1/2 and 1/2, max and second half)" in line, line
+        assert line.endswith(": within what the other fused kernels show"), line
+        (line,) = benchmark.loss_verdicts(seeds[:1])
+        assert line == "- sliding_window: cudnn 0.06 / 0.021 vs sdpa 0.05 / 0.012: OUTSIDE what the other fused kernels show", line
+    """
+    check_in_script("recipe_training", code, str(tmp_path))
 
 
 def test_gradient_accuracy_benchmark_compares_each_implementation_with_fp32(tmp_path):
-    import gradient_accuracy
-
-    (result,) = gradient_accuracy.main(["--quick", "--families", "mistral", "--out", str(tmp_path)])
+    done = run_script("gradient_accuracy", "--quick", "--families", "mistral", "--out", str(tmp_path))
+    assert done.returncode == 0, done.stderr[-3000:]
+    (result,) = json.loads((tmp_path / "gradient_accuracy.json").read_text())
     found = result["implementations"]
     assert list(found) == ["cudnn", "sdpa", "eager"] and "no backward on CPU" in result["skipped"]["flex_attention"]
     # On a CPU "cudnn" is the exact fallback: bf16 rounding of its own, about eager bf16's size on every parameter. The

@@ -1,15 +1,14 @@
 """The host path's shortcuts keep their semantics: the C-level autograd apply the eager training call uses, and the
-host benchmark's timing in turns."""
+host benchmarks' timing in turns (``benchmarks/attention_kernels.py``, ``benchmarks/host_path_cpu.py``, each checked in a
+child interpreter that imports it, ``support.benchmark_scripts``)."""
 
 import inspect
-import time
 
 import pytest
 import torch
 from cudnn_attention import _compat, cudnn_ops
-from cudnn_attention import launch as cudnn_launch
 
-import attention_kernels
+from support.benchmark_scripts import check_in_script
 
 
 class _Scale(torch.autograd.Function):
@@ -63,31 +62,40 @@ def test_without_the_c_level_apply_the_public_one_serves(monkeypatch):
 
 
 def test_host_timing_takes_turns_and_keeps_each_ones_least_round():
-    order, calls = [], {"slow first round": 0, "steady": 0}
+    code = """
+        import time
 
-    def slow_first_round():
-        calls["slow first round"] += 1
-        order.append("a")
-        time.sleep(0.004 if 100 < calls["slow first round"] <= 110 else 0.0005)  # the first timed round (after 100 warm-up calls)
+        order, calls = [], {"slow first round": 0, "steady": 0}
 
-    def steady():
-        calls["steady"] += 1
-        order.append("b")
-        time.sleep(0.001)
+        def slow_first_round():
+            calls["slow first round"] += 1
+            order.append("a")
+            time.sleep(0.004 if 100 < calls["slow first round"] <= 110 else 0.0005)  # the first timed round (after 100 warm-up calls)
 
-    best = attention_kernels.host_us_in_turns({"slow first round": slow_first_round, "steady": steady}, iters=40, rounds=4, sync=lambda: None)
-    assert calls == {"slow first round": 140, "steady": 140}  # 100 warm-up calls, then 4 rounds of 10
-    timed = "".join(order[200:])
-    assert timed == ("a" * 10 + "b" * 10) * 4  # in turns, a round each
-    assert 500 <= best["slow first round"] < 4000  # the kept round is not the slow one (each call >= 4 ms there)
-    assert best["steady"] >= 1000
+        def steady():
+            calls["steady"] += 1
+            order.append("b")
+            time.sleep(0.001)
+
+        fns = {"slow first round": slow_first_round, "steady": steady}
+        best = attention_kernels.host_us_in_turns(fns, iters=40, rounds=4, sync=lambda: None)
+        assert calls == {"slow first round": 140, "steady": 140}, calls  # 100 warm-up calls, then 4 rounds of 10
+        timed = "".join(order[200:])
+        assert timed == ("a" * 10 + "b" * 10) * 4, timed  # in turns, a round each
+        assert 500 <= best["slow first round"] < 4000, best  # the kept round is not the slow one (each call >= 4 ms there)
+        assert best["steady"] >= 1000, best
+    """
+    check_in_script("attention_kernels", code)
 
 
 def test_cpu_host_benchmark_runs_the_served_path_and_puts_the_launch_back():
-    import host_path_cpu
+    code = """
+        from cudnn_attention import launch as cudnn_launch
 
-    launch = cudnn_launch.execute
-    result = host_path_cpu.main(["--iters", "40"])
-    assert set(result) == {"no-grad forward", "grad forward", "backward"}
-    assert all(0 < us < 1e5 for us in result.values()), result
-    assert cudnn_launch.execute is launch
+        launch = cudnn_launch.execute
+        result = host_path_cpu.main(["--iters", "40"])
+        assert set(result) == {"no-grad forward", "grad forward", "backward"}, result
+        assert all(0 < us < 1e5 for us in result.values()), result
+        assert cudnn_launch.execute is launch
+    """
+    check_in_script("host_path_cpu", code)

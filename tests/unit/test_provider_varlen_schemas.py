@@ -24,7 +24,7 @@ from cudnn_attention import _compat, provider, sdpa_overrides
 from cudnn_attention import plan as plans
 from support.provider_cpu import our_ops_on_cpu, per_document_reference
 
-RELEASES = json.loads((pathlib.Path(__file__).parent / "data" / "torch_varlen_schemas.json").read_text())["releases"]
+RELEASES = json.loads((pathlib.Path(__file__).parents[1] / "data" / "torch_varlen_schemas.json").read_text())["releases"]
 SUPPORTED = ("2.9", "2.10", "2.11", "2.12", "2.13", "2.14", "2.15")  # pyproject's torch>=2.9, through the newest release
 WITH_VARLEN = [version for version in SUPPORTED if RELEASES[version]["schemas"]]
 OPS = [(version, name) for version in WITH_VARLEN for name in RELEASES[version]["schemas"]]
