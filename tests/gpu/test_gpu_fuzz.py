@@ -6,8 +6,9 @@ random, zero and negative scales, float16 and bfloat16; out, lse, dq, dk, dv and
 FlashAttention's rule (error <= 2 x the same math's error in the input dtype + 1e-3 x |reference|), and rows
 that see no key (or keys no row sees) must be exactly zero. Cases served by the fallback count too.
 
-Each worker (``tests/support/fuzz_worker.py``, driven by ``tests/support/fuzz_runner.py``) logs every case before and after running it, so a GPU fault is a failing
-case naming its config (the parent restarts a worker after the case that killed it), not a dead suite.
+Each worker (``tests/support/fuzz_worker.py``, driven by ``tests/support/fuzz_runner.py``) logs every case before and after
+running it, so a GPU fault is a failing case naming its config (the parent restarts a worker after the case that killed it),
+not a dead suite.
 
 Knobs: ``CUDNN_ATTENTION_FUZZ_CASES`` (4000), ``CUDNN_ATTENTION_FUZZ_WORKERS`` (12), ``CUDNN_ATTENTION_FUZZ_SEED``
 (20250611), ``CUDNN_ATTENTION_FUZZ_TIMEOUT`` (seconds, 540), ``CUDNN_ATTENTION_FUZZ_REPORT`` (write the table there).

@@ -4,7 +4,7 @@ Gradients of losses over the output and the LSE (random weights on every row, ``
 the LSE alone, against float64 autograd of the independent reference, by FlashAttention's rule
 (``reference64.evaluate_call``: twice the error of the same math in the input dtype, plus 1e-3 of the largest
 magnitude). Strict mode and the counters prove cuDNN served forward and backward. CPU twins, with the graphs
-emulated: ``test_lse_grad_emulated.py``.
+emulated: ``tests/unit/test_lse_grad_emulated.py``.
 """
 
 import itertools

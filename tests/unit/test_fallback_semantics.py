@@ -113,7 +113,8 @@ def test_varlen_fallback_matches_naive(name):
     grads = torch.autograd.grad(out, [t for t in (q, k, v, sinks) if t is not None], grad_out)
 
     leaves = [t.detach().double().requires_grad_() for t in (q, k, v, sinks) if t is not None]
-    expected = reference_varlen_attention(*leaves[:3], cu_q, cu_kv, sinks=leaves[3] if sinks is not None else None, **_reference_options(case, 0.4))
+    sink_leaf = leaves[3] if sinks is not None else None
+    expected = reference_varlen_attention(*leaves[:3], cu_q, cu_kv, sinks=sink_leaf, **_reference_options(case, 0.4))
     expected_grads = torch.autograd.grad(expected, leaves, grad_out.double())
     assert_close_rel(out, expected, "out")
     for name_, got, want in zip(("dq", "dk", "dv", "dsinks"), grads, expected_grads):

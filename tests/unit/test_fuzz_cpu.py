@@ -1,7 +1,8 @@
 """The fuzz generator and checker on CPU: seeded float32 cases served by the exact fallback, against float64.
 
-Same code as the GPU fuzz (``support/fuzz_cases.py``, ``support/reference64.py``, ``support/fuzz_worker.py``, ``support/fuzz_runner.py``) with the ``"cpu"`` profile:
-small shapes, float32 inputs, and a tight floor (2e-5 x |reference|) on top of twice float32's own error.
+Same code as the GPU fuzz (``fuzz_cases.py``, ``reference64.py``, ``fuzz_worker.py``, ``fuzz_runner.py`` in ``tests/support/``)
+with the ``"cpu"`` profile: small shapes, float32 inputs, and a tight floor (2e-5 x |reference|) on top of twice float32's
+own error.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import pytest
 from support.fuzz_cases import DENSE_LAYOUTS, PACKED_LAYOUTS, case_label, draw_case, run_case, summarize
 from support.fuzz_runner import run_fuzz
 
+REPRO = "python tests/support/fuzz_worker.py --seed {seed} --start {index} --count 1 --out - --device cpu --profile cpu"
 SEED = int(os.environ.get("CUDNN_ATTENTION_FUZZ_SEED", "") or 7)
 CASES = 120
 
@@ -23,9 +25,8 @@ def test_cpu_fuzz_case(index):
     case = draw_case(SEED, index, "cpu")
     record = run_case(case, "cpu")
     if not record["ok"]:
-        pytest.fail(summarize({index: record}, {index: case}, seed=SEED, requested=1,
-                              repro="python tests/support/fuzz_worker.py --seed {seed} --start {index} --count 1 --out - --device cpu --profile cpu")
-                    + "\n" + record.get("traceback", ""))  # fmt: skip
+        report = summarize({index: record}, {index: case}, seed=SEED, requested=1, repro=REPRO)
+        pytest.fail(report + "\n" + record.get("traceback", ""))
     assert record["path"].startswith("fallback"), record["path"]
 
 

@@ -1,9 +1,9 @@
 """A differentiable LSE on CPU: the fallback's gradients of losses that use ``return_lse``'s LSE, against float64 autograd.
 
-``evaluate_call`` (``reference64.py``) runs the call, the backward of a loss over the output and/or the LSE (with
+``evaluate_call`` (``tests/support/reference64.py``) runs the call, the backward of a loss over the output and/or the LSE (with
 random weights on every row, ``-inf`` rows included) and the same loss through the independent float64 reference,
 and applies FlashAttention's rule (here, float32 against float64). The cuDNN path's share is checked on CPU in
-``test_lse_grad_emulated.py``; on a GPU in ``test_gpu_lse_grad.py``.
+``tests/unit/test_lse_grad_emulated.py``; on a GPU in ``tests/gpu/test_gpu_lse_grad.py``.
 """
 
 import itertools

@@ -4,9 +4,9 @@ cuDNN's backward graph takes no dLSE; ``launch.run_backward`` gets the LSE's sha
 launch of the same graph on stand-in operands (``_lse_gradient_operands``: V' = 0, and O', dO' whose row dot
 product is -dLSE). Here (1) that identity is checked in float64 with plain torch formulas, (2) the stand-in
 operands are checked to carry dLSE to about 16 bits in bfloat16 and 22 in float16 over a wide range, and (3) the
-package's launch code runs end to end on CPU with the graphs emulated (``emulated_cudnn.py``): the eager bypass
+package's launch code runs end to end on CPU with the graphs emulated (``tests/support/emulated_cudnn.py``): the eager bypass
 (``_EagerAttention``) and the ops (their schema, fake kernels and autograd formula, ``torch.library.opcheck``),
-against float64 autograd of the independent reference. ``test_gpu_lse_grad.py`` runs the real graphs.
+against float64 autograd of the independent reference. ``tests/gpu/test_gpu_lse_grad.py`` runs the real graphs.
 """
 
 import itertools
