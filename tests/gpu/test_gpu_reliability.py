@@ -1,7 +1,7 @@
 """Regression tests for inputs the cuDNN path once served wrong or faulted on, on the GPU.
 
-Each is checked against the package's fp32 reference (which the CPU suite pins to the float64
-naive one) or against a plain identity, and, where a fault is possible, in a subprocess so that a
+Each is checked against the package's fp32 reference (which the CPU suite pins to the tests' float64
+one, ``support/reference64.py``) or against a plain identity, and, where a fault is possible, in a subprocess so that a
 CUDA error is a failing test rather than a dead suite.
 """
 
