@@ -202,7 +202,8 @@ def test_dsink_error_over_a_grid(capsys):
     float64 identity applied to the kernel's own O and LSE to float32 accuracy, and its error against the
     float64 reference is what the kernel's bf16 O implies (printed beside the flash-style and bf16-autograd
     errors, as a table)."""
-    from support.reference64 import compare_tensors, flash_style_dsinks, implied_dsinks_error, reference_attention, reference_varlen_attention
+    from support.reference64 import (compare_tensors, flash_style_dsinks, implied_dsinks_error, reference_attention,
+                                     reference_varlen_attention)
 
     rows = []
     for layout, lengths, H, H_kv, D, causal, left in _DSINK_GRID:
