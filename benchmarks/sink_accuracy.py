@@ -5,7 +5,7 @@
 Inputs (bf16, one seed per row): packed, 2,048 tokens in documents of 768 / 256 / 1,024, H 64/8, D 64 (gpt-oss);
 dense, B 2, S 1,024, the same heads; each with gpt-oss's sliding window (128, 0) and fully causal. Sinks are
 ``2 * randn`` float32 logits, the output gradient ``randn``. For each implementation: max |error| of the output and of
-dSink against the float64 reference (``tests/reference64.py``), and each as a multiple of a plain PyTorch bf16
+dSink against the float64 reference (``tests/support/reference64.py``), and each as a multiple of a plain PyTorch bf16
 implementation's error on the same inputs: transformers' gpt-oss eager attention (bf16 scores, the sink logit
 concatenated, a bf16 softmax, a bf16 P @ V), per document when packed. FlashAttention's tests allow 2x.
 
@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tests"))  # the tests' float64 reference: `support.reference64`
 
 H_Q, H_KV, D = 64, 8, 64
 DOCS = [768, 256, 1024]
@@ -131,7 +131,7 @@ def run_eager(layout, window, q, k, v, sinks, grad, dtype=torch.bfloat16):
 
 def run_reference(layout, window, q, k, v, sinks, grad):
     """float64 ground truth from the tests' independent reference."""
-    from reference64 import reference_attention, reference_varlen_attention
+    from support.reference64 import reference_attention, reference_varlen_attention
 
     q, k, v = (t.detach().double() for t in (q, k, v))
     sinks64 = sinks.detach().double().requires_grad_()

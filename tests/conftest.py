@@ -1,13 +1,14 @@
 import pytest
 import torch
-from served_on_cpu import served_on_cpu  # noqa: F401 - a fixture, for every test module
+from support.served_on_cpu import served_on_cpu  # noqa: F401 - a fixture, for every test module
 
 
 def pytest_collection_modifyitems(config, items):
     # One suite for both machines: `gpu` tests need CUDA; `no_gpu` ones run the recipes as a machine without a GPU
     # does (the CPU fallback, the tiny preset), which a GPU machine would not.
     if torch.cuda.is_available():
-        unsuited, skip = "no_gpu", pytest.mark.skip(reason="checks a machine without a GPU (CI runs it); tests/test_gpu_recipes.py runs the recipes here")
+        reason = "checks a machine without a GPU (CI runs it); tests/gpu/test_gpu_recipes.py runs the recipes here"
+        unsuited, skip = "no_gpu", pytest.mark.skip(reason=reason)
     else:
         unsuited, skip = "gpu", pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:

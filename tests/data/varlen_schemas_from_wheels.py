@@ -5,7 +5,7 @@ functions in ``torch/nn/attention/varlen.py``, whose schema torch infers from th
 This reads that file out of each wheel (any platform: it is pure Python; macOS wheels are the
 smallest), infers the schema of each op with the installed torch's public ``torch.library.infer_schema``
 and records it with the release's commit (``torch/version.py``'s ``git_version``). The installed
-torch's own schemas are compared against their entry by tests/test_provider_varlen_schemas.py,
+torch's own schemas are compared against their entry by tests/unit/test_provider_varlen_schemas.py,
 which checks the inference.
 
 Usage (a new release: add its wheel and run again)::

@@ -1,0 +1,100 @@
+"""The fused (Triton) sink passes equal their torch-op definitions, bit for bit where they compute the same
+float32 math: dense layouts of any stride order, packed tokens, absent rows, rows that see only the sink,
+NaN and -inf sinks. On CPU they run in Triton's interpreter (``TRITON_INTERPRET=1``, set by this test before
+Triton is imported) when Triton is installed; on a GPU they run compiled (``gpu`` marker)."""
+
+import importlib
+import os
+import subprocess
+
+import pytest
+from support.child_process import run_python
+
+CHECK = r'''
+import sys, torch
+from cudnn_attention import fused_sinks
+assert fused_sinks.triton is not None
+device = sys.argv[1]
+torch.manual_seed(0)
+
+def cases():
+    B, H, S, D = 2, 3, 5, 40
+    for order in ((0, 1, 2, 3), (0, 2, 1, 3)):  # (B, H, S, D) and a (B, S, H, D) buffer seen as (B, H, S, D)
+        shape = [(B, H, S, D)[i] for i in order]
+        out = torch.randn(shape, device=device).to(torch.bfloat16).permute(*[order.index(i) for i in range(4)])
+        lse = torch.randn(B, H, S, device=device) * 3
+        lse[0, :, 4] = float("-inf")  # a row whose window leaves it no key: it sees the sink alone
+        absent = torch.zeros(B, 1, S, dtype=torch.bool, device=device)
+        absent[1, :, 3:] = True
+        yield out, lse, absent
+        yield out, lse, None
+    T = 11
+    out = torch.randn(T, H, 64, device=device).to(torch.float16)
+    lse = torch.randn(T, H, device=device)
+    absent = torch.zeros(T, 1, dtype=torch.bool, device=device)
+    absent[8:] = True
+    yield out, lse, absent
+
+fused_sinks._fused = lambda *a: False  # fold_sinks and sink_gradient take their torch-op definitions; _launch_* run the kernels
+for sinks in (torch.randn(3, device=device), torch.tensor([0.5, float("nan"), float("-inf")], device=device)):
+    for out, lse, absent in cases():
+        want_out, want_lse = out.clone(), lse.clone()
+        fused_sinks.fold_sinks(want_out, want_lse, sinks, absent)
+        grad = torch.randn(out.shape, device=device).to(out.dtype)
+        grad = torch.empty_strided(out.shape, out.stride(), dtype=out.dtype, device=device).copy_(grad)
+        want_ds = fused_sinks.sink_gradient(grad, want_out, want_lse, sinks)
+        got_lse = lse.clone()
+        got_out = torch.empty_strided(out.shape, out.stride(), dtype=out.dtype, device=device).copy_(out)
+        fused_sinks._launch_fold(got_out, got_lse, sinks, absent)
+        got_ds = fused_sinks._launch_sink_gradient(grad, want_out, want_lse, sinks)  # the same inputs as want_ds
+        torch.testing.assert_close(got_lse, want_lse, rtol=1e-6, atol=1e-6, equal_nan=True)
+        # The same float32 product rounded once to out's dtype: at most one unit in the last place apart.
+        torch.testing.assert_close(got_out.float(), want_out.float(), rtol=2 ** -7, atol=0, equal_nan=True)
+        torch.testing.assert_close(got_ds, want_ds, rtol=1e-5, atol=1e-6, equal_nan=True)
+        # Rows the kernel leaves unwritten (absent) are zero and -inf after the fold, whatever they held.
+        if absent is not None:
+            want_out, want_lse = out.masked_fill(absent.unsqueeze(-1), float("nan")), lse.masked_fill(absent, float("nan"))
+            got_out, got_lse = want_out.clone(), want_lse.clone()
+            fused_sinks.fold_sinks(want_out, want_lse, sinks, absent)
+            fused_sinks._launch_fold(got_out, got_lse, sinks, absent)
+            for got, want in ((got_out.float(), want_out.float()), (got_lse, want_lse)):
+                torch.testing.assert_close(got, want, rtol=2 ** -7, atol=0, equal_nan=True)
+            assert got_out.masked_select(absent.unsqueeze(-1)).abs().max() == 0 and got_lse.masked_select(absent).isneginf().all()
+if device == "cuda":
+    # Packed folds the size of a training step, launched again and again: the compiled kernels once scaled a few
+    # random rows by another row's factor (D 80-256 mostly), so one small launch could pass by luck.
+    for D, dtype in ((80, torch.bfloat16), (192, torch.bfloat16), (256, torch.float16), (64, torch.bfloat16)):
+        out = torch.randn(4096, 32, D, device=device).to(dtype)
+        lse = torch.randn(4096, 32, device=device) * 3
+        sinks = torch.randn(32, device=device) * 2
+        grad = torch.randn(out.shape, device=device).to(dtype)
+        want_out, want_lse = out.clone(), lse.clone()
+        fused_sinks.fold_sinks(want_out, want_lse, sinks)
+        terms = -torch.exp(sinks.view(1, -1) - want_lse) * (grad.float() * want_out.float()).sum(-1)
+        want_ds = terms.sum(0)
+        for _ in range(10):
+            got_out, got_lse = out.clone(), lse.clone()
+            fused_sinks._launch_fold(got_out, got_lse, sinks, None)
+            torch.testing.assert_close(got_out.float(), want_out.float(), rtol=2 ** -7, atol=0)
+            torch.testing.assert_close(got_lse, want_lse, rtol=1e-6, atol=1e-6)
+            got_ds = fused_sinks._launch_sink_gradient(grad, want_out, want_lse, sinks)
+            # Float32 sums of 4,096 terms in another order: within a few ulps of the terms' absolute sum.
+            assert ((got_ds - want_ds).abs() <= 1e-5 * terms.abs().sum(0)).all(), (D, (got_ds - want_ds).abs().max())
+print("fused sink passes agree")
+'''
+
+
+def _run(device: str, env: dict) -> subprocess.CompletedProcess:
+    return run_python(CHECK, device, env={**os.environ, **env}, timeout=600)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed (CUDA builds of torch ship it)")
+def test_fused_sink_passes_match_their_definition_in_the_interpreter():
+    result = _run("cpu", {"TRITON_INTERPRET": "1"})
+    assert result.returncode == 0 and "agree" in result.stdout, result.stdout + result.stderr
+
+
+@pytest.mark.gpu
+def test_fused_sink_passes_match_their_definition_on_the_gpu():
+    result = _run("cuda", {})
+    assert result.returncode == 0 and "agree" in result.stdout, result.stdout + result.stderr
