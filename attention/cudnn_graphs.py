@@ -291,7 +291,7 @@ def known_wrong(spec: GraphSpec) -> str | None:
     """Why cuDNN would compute ``spec``'s graph wrongly although it builds it, or None.
 
     Such a graph gets the verdict of a rejection, so its calls take the exact path, counted and warned about
-    once, instead of returning wrong values. Each entry was found by the GPU fuzz (``tests/test_gpu_fuzz.py``)
+    once, instead of returning wrong values. Each entry was found by the GPU fuzz (``tests/gpu/test_gpu_fuzz.py``)
     and is kept for every cuDNN version until a newer one is measured right (the measurements:
     docs/decisions/0009-known-wrong-cudnn-configurations.md).
     """

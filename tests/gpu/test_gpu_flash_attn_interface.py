@@ -10,9 +10,9 @@ import itertools
 
 import pytest
 import torch
-from reference64 import reference_attention, reference_varlen_attention
-from sync_debug import warm_and_run
-from tolerances import assert_within_lowp_noise
+from support.reference64 import reference_attention, reference_varlen_attention
+from support.sync_debug import warm_and_run
+from support.tolerances import assert_within_lowp_noise
 
 import cudnn_attention
 from cudnn_attention import flash_attn_interface as fai

@@ -3,7 +3,7 @@ the ops, and a value of another type is refused with its name; on CPU with emula
 
 import pytest
 import torch
-from emulated_cudnn import emulated
+from support.emulated_cudnn import emulated
 
 import cudnn_attention
 from cudnn_attention import launch

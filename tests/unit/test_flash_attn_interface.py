@@ -495,7 +495,7 @@ def backward_graphs(monkeypatch):
     """The cuDNN launch code on CPU with emulated graphs (``emulated_cudnn``); records, for every backward launch, the
     algorithm its graph was resolved for (``deterministic``)."""
     from cudnn_attention import launch
-    from emulated_cudnn import emulated
+    from support.emulated_cudnn import emulated
 
     asked = []
     with emulated(monkeypatch) as launches:
