@@ -7,18 +7,21 @@ Example:
     1
 
 Importing this package registers the ``cudnn_attention::forward``/``backward`` ops (with their FLOP formulas for
-``torch.utils.flop_counter``, see :mod:`cudnn_attention.flop_formulas`) and puts one hook on
+``torch.utils.flop_counter``, see :mod:`cudnn_attention.flop_formulas`) and, through the transformers integration
+(:mod:`cudnn_attention.integrations.hf`, which it imports), puts one hook on
 ``sys.meta_path`` that makes ``attn_implementation="cudnn"`` available once transformers' modeling code loads
-(``cudnn_attention.integrations.hf.unregister()`` removes it); it imports neither transformers nor the
-integrations (if transformers' modeling code is loaded already, the name is registered at once instead), and
-changes nothing else. The cuDNN frontend is imported on the first GPU call.
+(``cudnn_attention.integrations.hf.unregister()`` removes it). It imports neither transformers nor Lightning (if
+transformers' modeling code is loaded already, the name is registered at once instead), and changes nothing
+else. The cuDNN frontend is imported on the first GPU call. This module is the only one of the package that
+imports an integration: the core modules beside it import none.
 
 FlashAttention-style code swaps one import: :mod:`cudnn_attention.flash_attn_interface` has ``flash_attn_func``,
 ``flash_attn_varlen_func`` and their packed and KV-cache variants, with FlashAttention's arguments.
 """
 
-from . import _transformers_hook, flash_attn_interface, flop_formulas
+from . import flash_attn_interface, flop_formulas
 from .api import attention, varlen_attention
+from .integrations.hf import load_hook as _hf_load_hook
 from .policy import CudnnAttentionFallbackWarning, StrictModeError, flat_stats, is_strict, reset_stats, set_strict, stats, strict
 from .provider import ProviderConflictError, ProviderConflictWarning, ProviderHandle, enabled, install
 
@@ -46,6 +49,6 @@ __all__ = [
 # Counters built from now on (Lightning's measure_flops, MFU callbacks) count the ops by the work their masks leave.
 flop_formulas.register()
 
-# Last, once every name above is bound: when transformers' modeling code is already loaded, this registers
-# "cudnn" now, through the integration, which imports this package.
-_transformers_hook.install()
+# Last, the one thing importing the package does for transformers: the hook, or "cudnn" registered now when
+# transformers' modeling code is already loaded.
+_hf_load_hook.install()

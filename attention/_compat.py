@@ -1,11 +1,10 @@
-"""Every touch of a private API, in one place.
+"""Every touch of a private torch or cuDNN frontend API, in one place.
 
 Each function names the private attribute it reaches, the version it was checked against, and what
-replaces it when it moves. Nothing else in the package reaches into private APIs: when torch, the
-cuDNN frontend, transformers or Lightning move one, this module is the only file to change.
-
-The core never imports transformers or Lightning, so their touches take the object to act on as an
-argument (the integration that owns the object passes it in) instead of importing anything.
+replaces it when it moves. Nothing else in the package reaches into private APIs: when torch or the
+cuDNN frontend move one, this module is the only file to change. transformers' and Lightning's private
+attributes are the integrations' to touch, each in its own compat module
+(:mod:`cudnn_attention.integrations.hf._compat`, :mod:`cudnn_attention.integrations.lightning._compat`).
 """
 
 from __future__ import annotations
@@ -13,25 +12,30 @@ from __future__ import annotations
 import re
 
 import torch
+from torch.fx import _symbolic_trace  # loaded by `import torch` already
 
 __all__ = [
     "assert_on_device",
     "autograd_apply",
-    "impl_over",
-    "attn_implementation_of",
+    "backend_operand_uids",
+    "current_raw_stream",
     "custom_op_body",
     "destroy_library",
+    "execute_lowered",
+    "execute_pointer_array",
     "flop_registry",
+    "fx_symbolic_tracing",
     "holds_values",
+    "impl_over",
     "kernel_registrations",
-    "monitor_throughputs",
+    "lowered_plan",
     "op_schema",
     "parse_schema",
     "plain_dispatch",
     "sdp_priority_order",
+    "selected_plan_name",
     "set_sdp_priority_order",
     "tensor_version",
-    "unregister_interface_entry",
 ]
 
 
@@ -191,6 +195,11 @@ def set_sdp_priority_order(order: list[int]) -> None:
     torch._C._set_sdp_priority_order(order)
 
 
+def fx_symbolic_tracing() -> bool:
+    """Whether ``torch.fx`` is tracing the caller (``torch.fx._symbolic_trace.is_fx_tracing``)."""
+    return _symbolic_trace.is_fx_tracing()
+
+
 def current_raw_stream(device_index: int) -> int:
     """torch's current CUDA stream as a raw handle, without building a ``torch.cuda.Stream`` object
     (about 1 us cheaper per call). ``torch._C._cuda_getCurrentRawStream``: torch 2.9-2.13; the public
@@ -253,46 +262,3 @@ def execute_pointer_array(lowered, pointers, workspace_ptr: int, cpp_index: int,
 def selected_plan_name(graph) -> str:
     """The engine plan ``graph`` runs (``pygraph._plan_index``, 1.32; public ``get_plan_name_at_index``)."""
     return graph.get_plan_name_at_index(getattr(graph, "_plan_index", 0))
-
-
-# ----------------------------------------------------------------------------------------------
-# transformers (objects passed in by integrations/hf)
-# ----------------------------------------------------------------------------------------------
-
-
-def attn_implementation_of(model) -> str | dict | None:
-    """What ``model.set_attn_implementation`` needs to give a transformers model its current implementation
-    back: a string, or for a composite model a dict with ``""`` for the top level and one entry per sub-config.
-
-    ``PreTrainedConfig._attn_implementation``: checked against transformers 5.17-5.24, which have a public
-    setter (``set_attn_implementation``) but no public getter. When it moves, read the config's
-    ``attn_implementation`` if one appears."""
-    config = model.config
-    parts = {}
-    for key in getattr(config, "sub_configs", None) or {}:
-        sub = getattr(config, key, None)
-        if sub is not None:
-            parts[key] = sub._attn_implementation
-    return {"": config._attn_implementation, **parts} if parts else config._attn_implementation
-
-
-def unregister_interface_entry(interface: type, name: str) -> None:
-    """Remove ``name`` from a transformers interface class (``AttentionInterface``, ``AttentionMaskInterface``)
-    for every model, undoing its ``register(name, ...)``; nothing happens when it is absent.
-
-    ``GeneralInterface._global_mapping`` (the class-wide dict ``register`` writes): checked against transformers
-    5.17-5.24, which have no public way to remove an entry. When it moves, use the removal transformers adds."""
-    interface._global_mapping.pop(name, None)
-
-
-# ----------------------------------------------------------------------------------------------
-# Lightning (objects passed in by integrations/lightning)
-# ----------------------------------------------------------------------------------------------
-
-
-def monitor_throughputs(monitor) -> list:
-    """The ``Throughput`` objects a ``ThroughputMonitor`` built in its ``setup`` (one per running stage).
-
-    ``ThroughputMonitor._throughputs``: checked against lightning 2.6 (and its ``pytorch_lightning`` twin). When
-    it moves, a monitor subclass builds them itself in ``setup`` (Lightning's own is eight lines) with the peak."""
-    return list(monitor._throughputs.values())

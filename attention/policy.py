@@ -27,9 +27,10 @@ import torch
 
 __all__ = [
     "CudnnAttentionFallbackWarning",
-    "StrictModeError",
-    "count_provider",
     "Counters",
+    "StrictModeError",
+    "count_cudnn",
+    "count_provider",
     "env_flag",
     "fallback_in_graph",
     "fallback_output",
@@ -37,6 +38,7 @@ __all__ = [
     "flat_stats",
     "is_strict",
     "note_fallback",
+    "note_graph_build",
     "reset_stats",
     "set_strict",
     "stats",

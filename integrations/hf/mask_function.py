@@ -37,6 +37,8 @@ from __future__ import annotations
 
 import torch
 
+from ... import _compat
+
 __all__ = ["check_padding_mask", "cudnn_attention_mask", "is_tracing", "pad_keys", "query_positions"]
 
 
@@ -114,7 +116,7 @@ def _sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_functi
 
 def is_tracing() -> bool:
     """Whether a graph is being traced (dynamo, TorchScript, fx): no host reads or data-dependent branches then."""
-    return torch.compiler.is_compiling() or torch.jit.is_tracing() or torch.fx._symbolic_trace.is_fx_tracing()
+    return torch.compiler.is_compiling() or torch.jit.is_tracing() or _compat.fx_symbolic_tracing()
 
 
 def pad_keys(keep_BW: torch.Tensor, kv_len: int) -> tuple[torch.Tensor, int]:

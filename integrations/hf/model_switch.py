@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 import weakref
 
-from ... import _compat
+from . import _compat
 from .registration import ATTN_IMPLEMENTATION, register
 
 __all__ = ["ModelSwitch", "switch_to_cudnn"]

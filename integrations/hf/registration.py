@@ -4,14 +4,14 @@ Both interfaces are needed: transformers gives an implementation whose name has 
 function ``attention_mask=None`` always, which would silently drop padding.
 
 ``import cudnn_attention`` already registers the name once transformers' modeling code loads (a one-shot
-hook, :mod:`cudnn_attention._transformers_hook`); :func:`unregister` also takes that hook back.
+hook, :mod:`.load_hook`); :func:`unregister` also takes that hook back.
 """
 
 from __future__ import annotations
 
 import sys
 
-from ... import _compat, _transformers_hook
+from . import _compat, load_hook
 from .attention_function import cudnn_attention_forward
 from .mask_function import cudnn_attention_mask
 
@@ -32,8 +32,8 @@ def register() -> None:
 def unregister() -> None:
     """Remove ``"cudnn"`` from both transformers interfaces, and the hook that would register it when
     transformers' modeling code loads (idempotent; imports nothing from transformers)."""
-    _transformers_hook.remove()
-    if _transformers_hook.TRIGGER not in sys.modules:
+    load_hook.remove()
+    if load_hook.TRIGGER not in sys.modules:
         return  # nothing can have been registered yet
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
@@ -52,4 +52,4 @@ def is_registered() -> bool:
 
 def register_when_transformers_loads() -> None:
     """Register now if transformers' modeling code is loaded, else as soon as it is (what ``import cudnn_attention`` does)."""
-    _transformers_hook.install()
+    load_hook.install()

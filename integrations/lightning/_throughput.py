@@ -7,7 +7,7 @@ No Lightning import at module level: :class:`PeakFlopsMixin` is mixed into each 
 
 from __future__ import annotations
 
-from ... import _compat
+from . import _compat
 from ..throughput import dense_bf16_peak_flops
 
 __all__ = ["PeakFlopsMixin", "make_throughput"]

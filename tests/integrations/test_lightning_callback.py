@@ -16,7 +16,8 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.loggers import Logger
 
 import cudnn_attention
-from cudnn_attention import _compat, provider
+from cudnn_attention import provider
+from cudnn_attention.integrations.hf import _compat
 from cudnn_attention.integrations.lightning import CudnnAttention, fabric_attention
 from cudnn_attention.integrations.lightning import factory
 from support.lightning_models import TinyLlamaModule, tiny_llama

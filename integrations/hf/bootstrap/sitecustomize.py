@@ -5,7 +5,7 @@ As if the program began with ``import cudnn_attention``: right after transformer
 start-up (no torch, no transformers, no cudnn_attention), and a process that never loads transformers'
 modeling code imports nothing at all. The ``sitecustomize`` this one shadows, if any, still runs.
 
-The hook has the shape of ``cudnn_attention._transformers_hook.RegisterOnLoad`` but cannot be it: importing
+The hook has the shape of ``cudnn_attention.integrations.hf.load_hook.RegisterOnLoad`` but cannot be it: importing
 that module imports torch (through its package).
 """
 

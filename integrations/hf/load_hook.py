@@ -1,28 +1,23 @@
-"""What ``import cudnn_attention`` does for transformers: ``attn_implementation="cudnn"`` once its modeling code loads.
+"""What ``import cudnn_attention`` installs for transformers: ``attn_implementation="cudnn"`` once its modeling code loads.
 
-:func:`install` puts one :class:`RegisterOnLoad` on ``sys.meta_path`` and imports nothing: the core never
-imports transformers or ``cudnn_attention.integrations``. When ``transformers.modeling_utils`` is imported (it
-defines the attention interfaces), the hook lets it load, leaves ``sys.meta_path``, and calls the transformers
-integration's ``register`` by module name. ``cudnn_attention.integrations.hf.unregister()`` calls :func:`remove`,
-so the hook can be taken back before it fires.
+:func:`install` puts one :class:`RegisterOnLoad` on ``sys.meta_path`` and imports nothing from transformers. When
+``transformers.modeling_utils`` is imported (it defines the attention interfaces), the hook lets it load, leaves
+``sys.meta_path``, and calls :func:`.registration.register`. :func:`.registration.unregister` calls :func:`remove`,
+so the hook can be taken back before it fires. The package face (``cudnn_attention/__init__.py``) imports this
+module openly; the core imports no integration.
 """
 
 from __future__ import annotations
 
-import importlib
 import importlib.abc
 import importlib.util
 import sys
 
+from . import registration  # a cycle (registration imports this module): both only look each other up when called
+
 __all__ = ["TRIGGER", "RegisterOnLoad", "install", "pending", "remove"]
 
 TRIGGER = "transformers.modeling_utils"
-# Named, not imported: the integration imports the core, never the reverse.
-_REGISTRATION = "cudnn_attention.integrations.hf.registration"
-
-
-def _register() -> None:
-    importlib.import_module(_REGISTRATION).register()
 
 
 class RegisterOnLoad(importlib.abc.MetaPathFinder):
@@ -39,7 +34,7 @@ class RegisterOnLoad(importlib.abc.MetaPathFinder):
 
         def exec_then_register(module):
             exec_module(module)
-            _register()
+            registration.register()
 
         spec.loader.exec_module = exec_then_register
         return spec
@@ -48,7 +43,7 @@ class RegisterOnLoad(importlib.abc.MetaPathFinder):
 def install() -> None:
     """Register now if transformers' modeling code is loaded, else install the hook (idempotent)."""
     if TRIGGER in sys.modules:
-        _register()
+        registration.register()
     elif not pending():
         sys.meta_path.insert(0, RegisterOnLoad())
 
