@@ -22,12 +22,23 @@ FlashAttention-style code swaps one import: :mod:`cudnn_attention.flash_attn_int
 from . import flash_attn_interface, flop_formulas
 from .api import attention, varlen_attention
 from .integrations.hf import load_hook as _hf_load_hook
-from .policy import CudnnAttentionFallbackWarning, StrictModeError, flat_stats, is_strict, reset_stats, set_strict, stats, strict
+from .policy import (
+    CudnnAttentionCopyWarning,
+    CudnnAttentionFallbackWarning,
+    StrictModeError,
+    flat_stats,
+    is_strict,
+    reset_stats,
+    set_strict,
+    stats,
+    strict,
+)
 from .provider import ProviderConflictError, ProviderConflictWarning, ProviderHandle, enabled, install
 
 __version__ = "0.1.0"  # the one place: pyproject.toml reads it (dynamic version)
 
 __all__ = [
+    "CudnnAttentionCopyWarning",
     "CudnnAttentionFallbackWarning",
     "ProviderConflictError",
     "ProviderConflictWarning",

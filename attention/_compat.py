@@ -196,8 +196,17 @@ def set_sdp_priority_order(order: list[int]) -> None:
 
 
 def fx_symbolic_tracing() -> bool:
-    """Whether ``torch.fx`` is tracing the caller (``torch.fx._symbolic_trace.is_fx_tracing``)."""
-    return _symbolic_trace.is_fx_tracing()
+    """Whether ``torch.fx.symbolic_trace`` is tracing the caller, torch.compile and torch.export excepted (ask
+    ``torch.compiler.is_compiling()`` for those).
+
+    ``torch.fx._symbolic_trace.is_fx_symbolic_tracing``, where torch has it (checked against 2.13); elsewhere
+    the flag it reads, ``_is_fx_tracing_flag`` (since torch 1.13), without ``is_fx_tracing``, which logs a warning
+    the first time it is asked on the torch versions that have both. No public equivalent: transformers asks
+    ``isinstance(tensor, torch.fx.Proxy)`` of a tensor instead."""
+    asker = getattr(_symbolic_trace, "is_fx_symbolic_tracing", None)
+    if asker is not None:
+        return asker()
+    return bool(_symbolic_trace._is_fx_tracing_flag) and not torch.compiler.is_compiling()
 
 
 def current_raw_stream(device_index: int) -> int:

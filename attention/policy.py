@@ -26,6 +26,7 @@ from collections import Counter
 import torch
 
 __all__ = [
+    "CudnnAttentionCopyWarning",
     "CudnnAttentionFallbackWarning",
     "Counters",
     "StrictModeError",
@@ -37,6 +38,7 @@ __all__ = [
     "fallback_outputs",
     "flat_stats",
     "is_strict",
+    "note_copy",
     "note_fallback",
     "note_graph_build",
     "reset_stats",
@@ -48,6 +50,11 @@ __all__ = [
 
 class CudnnAttentionFallbackWarning(UserWarning):
     """A call ran on the exact PyTorch path instead of cuDNN (emitted once per reason)."""
+
+
+class CudnnAttentionCopyWarning(UserWarning):
+    """An input was copied before the kernel ran (its head dim is not contiguous in memory): exact, but a copy on
+    every such call. Emitted once per input name; ``warnings.filterwarnings("ignore", category=...)`` silences it."""
 
 
 class StrictModeError(RuntimeError):
@@ -141,6 +148,17 @@ def _count_and_warn_once(counter: Counter, reason: str, warned_as: str, message:
         warnings.warn(message, CudnnAttentionFallbackWarning, stacklevel=stacklevel + 1)
 
 
+def note_copy(name: str, message: str, *, stacklevel: int) -> None:
+    """Warn ``message`` as a :class:`CudnnAttentionCopyWarning` the first time input ``name`` is copied since import
+    (or :func:`reset_stats`), pointing ``stacklevel`` frames above the caller. A warning, not a log line: a copy
+    on every call would otherwise say so on every call, and ``warnings`` filters can silence a category."""
+    with _lock:
+        first = f"copy: {name}" not in _warned
+        _warned.add(f"copy: {name}")
+    if first:
+        warnings.warn(message, CudnnAttentionCopyWarning, stacklevel=stacklevel + 1)
+
+
 def stats() -> dict:
     """How many calls each path served since import (or :func:`reset_stats`).
 
@@ -165,7 +183,7 @@ def flat_stats() -> dict[str, float]:
 
 
 def reset_stats() -> None:
-    """Zero every counter and forget which fallback reasons already warned."""
+    """Zero every counter and forget which fallback reasons and copied inputs already warned."""
     global _counters
     with _lock:
         _counters = Counters()

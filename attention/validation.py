@@ -6,12 +6,12 @@ run only when the caller asks with ``validate=True``.
 
 from __future__ import annotations
 
-import logging
 import math
 
 import torch
 
 from . import _compat, tensor_memo
+from .policy import note_copy
 
 __all__ = [
     "check_cu_seqlens",
@@ -28,7 +28,6 @@ __all__ = [
     "validate_seqlens",
 ]
 
-_logger = logging.getLogger(__name__)
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
 
@@ -40,8 +39,11 @@ def _require_tensor(value, name: str) -> torch.Tensor:
 
 def _innermost_dense(t: torch.Tensor, name: str) -> torch.Tensor:
     if t.stride(-1) != 1 and t.shape[-1] > 1:
-        # The kernels read the head dim as one contiguous vector; say so once, then copy.
-        _logger.warning("cudnn_attention: %s has innermost stride %d (shape %s); copying it contiguous", name, t.stride(-1), tuple(t.shape))
+        # The kernels read the head dim as one contiguous vector. Said once per name: a loop passing the same
+        # layout would hear it on every call. Not while torch.compile traces: the graph holds the copy.
+        if not torch.compiler.is_compiling():
+            note_copy(name, f"cudnn_attention: {name} has innermost stride {t.stride(-1)} (shape {tuple(t.shape)}); copying it contiguous "
+                      "on each such call (said once per input)", stacklevel=4)  # the user's line, through check_qkv and attention
         return t.contiguous()
     return t
 
