@@ -42,8 +42,8 @@ def _innermost_dense(t: torch.Tensor, name: str) -> torch.Tensor:
         # The kernels read the head dim as one contiguous vector. Said once per name: a loop passing the same
         # layout would hear it on every call. Not while torch.compile traces: the graph holds the copy.
         if not torch.compiler.is_compiling():
-            note_copy(name, f"cudnn_attention: {name} has innermost stride {t.stride(-1)} (shape {tuple(t.shape)}); copying it contiguous "
-                      "on each such call (said once per input)", stacklevel=4)  # the user's line, through check_qkv and attention
+            message = f"cudnn_attention: {name} has innermost stride {t.stride(-1)} (shape {tuple(t.shape)}); copying it contiguous"
+            note_copy(name, message + " on each such call (said once per input)", stacklevel=4)  # the user's line, via check_qkv
         return t.contiguous()
     return t
 
