@@ -6,7 +6,9 @@ which cannot ``import cudnn_attention`` first. The command runs with the :mod:`.
 ``torchrun`` workers included: they inherit the environment) import ``cudnn_attention`` right after
 transformers' modeling code loads, as if the program began with that import. Nothing else changes: the
 process imports no torch at start-up, a program that never loads transformers imports nothing, and a
-``sitecustomize`` already on the path still runs. Python started with ``-S`` or ``-I`` skips the hook.
+``sitecustomize`` already on the path still runs. Python started with ``-S`` or ``-I`` skips the hook. Where the package is
+installed its start-up hook (:mod:`cudnn_attention_autoload`) does the same for every program; the launcher installs it
+for its command even where ``CUDNN_ATTENTION_NO_AUTOLOAD=1`` turns that off.
 
 Example:
     cudnn-attention run -- trl sft --model_name_or_path ./model --attn_implementation cudnn --padding_free true ...

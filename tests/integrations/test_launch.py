@@ -1,8 +1,8 @@
 """``cudnn-attention run -- <command>``: "cudnn" in programs that never import cudnn_attention, in every process they start.
 
 Each test runs the installed console script on a command that names "cudnn" only as a string (on CPU the
-exact fallback serves, counted in ``stats()``); the same command without the launcher is refused by
-transformers, which is what the launcher is for.
+exact fallback serves, counted in ``stats()``), with the package's start-up hook turned off
+(``CUDNN_ATTENTION_NO_AUTOLOAD=1``); the same command without the launcher is then refused by transformers.
 """
 
 import json
@@ -38,6 +38,8 @@ def _run(command: list[str], *, launcher: bool = True, cwd=None, env=None) -> su
     if launcher and _script("cudnn-attention") is None:
         pytest.fail("console script cudnn-attention not installed: run `pip install -e .`")
     full = [_script("cudnn-attention"), "run", "--", *command] if launcher else command
+    # The start-up hook the package installs (tests/integrations/test_autoload.py) off: the launcher alone must serve.
+    env = {**(os.environ if env is None else env), "CUDNN_ATTENTION_NO_AUTOLOAD": "1"}
     return subprocess.run(full, capture_output=True, text=True, timeout=TIMEOUT, cwd=cwd, env=env, check=False)
 
 

@@ -107,8 +107,9 @@ def test_the_face_imports_the_transformers_integration_openly():
 
 def public_modules() -> list[str]:
     """Dotted names of every module of the core (the face included) and of the integrations; the launcher's
-    ``bootstrap`` directory holds a start-up script (``sitecustomize``), not a module to import."""
-    names = []
+    ``bootstrap`` directory holds a start-up script (``sitecustomize``), not a module to import, and the top-level
+    start-up hook the package installs, named here by its own name."""
+    names = ["cudnn_attention_autoload"]
     for root, package in ((CORE_DIR, "cudnn_attention"), (INTEGRATIONS_DIR, "cudnn_attention.integrations")):
         for path in sorted(root.rglob("*.py")):
             parts = path.relative_to(root).with_suffix("").parts
