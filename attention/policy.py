@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import inspect
 import os
 import threading
 import warnings
@@ -148,15 +149,20 @@ def _count_and_warn_once(counter: Counter, reason: str, warned_as: str, message:
         warnings.warn(message, CudnnAttentionFallbackWarning, stacklevel=stacklevel + 1)
 
 
-def note_copy(name: str, message: str, *, stacklevel: int) -> None:
+def note_copy(name: str, message: str) -> None:
     """Warn ``message`` as a :class:`CudnnAttentionCopyWarning` the first time input ``name`` is copied since import
-    (or :func:`reset_stats`), pointing ``stacklevel`` frames above the caller. A warning, not a log line: a copy
-    on every call would otherwise say so on every call, and ``warnings`` filters can silence a category."""
+    (or :func:`reset_stats`), pointing at the first frame outside this package (the user's call, or the framework's
+    that reached the provider or the transformers integration). A warning, not a log line: a copy on every call would
+    otherwise say so on every call, and ``warnings`` filters can silence a category."""
     with _lock:
         first = f"copy: {name}" not in _warned
         _warned.add(f"copy: {name}")
-    if first:
-        warnings.warn(message, CudnnAttentionCopyWarning, stacklevel=stacklevel + 1)
+    if not first:
+        return
+    level, frame = 1, inspect.currentframe()  # warnings.warn counts this function's frame as level 1
+    while frame is not None and frame.f_globals.get("__name__", "").partition(".")[0] == "cudnn_attention":
+        level, frame = level + 1, frame.f_back
+    warnings.warn(message, CudnnAttentionCopyWarning, stacklevel=level)
 
 
 def stats() -> dict:

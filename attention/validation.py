@@ -43,7 +43,7 @@ def _innermost_dense(t: torch.Tensor, name: str) -> torch.Tensor:
         # layout would hear it on every call. Not while torch.compile traces: the graph holds the copy.
         if not torch.compiler.is_compiling():
             message = f"cudnn_attention: {name} has innermost stride {t.stride(-1)} (shape {tuple(t.shape)}); copying it contiguous"
-            note_copy(name, message + " on each such call (said once per input)", stacklevel=4)  # the user's line, via check_qkv
+            note_copy(name, message + " on each such call (said once per input)")
         return t.contiguous()
     return t
 
