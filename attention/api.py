@@ -82,8 +82,21 @@ def attention(
     """
     key = None
     if not validate:
-        options = argument_options(q, k, v, scale, causal, bottom_right, window_size, sinks, return_lse, (seqlens_q, seqlens_kv), (),
-                                   plans.sink_forward(), (deterministic,))
+        options = argument_options(
+            q,
+            k,
+            v,
+            scale,
+            causal,
+            bottom_right,
+            window_size,
+            sinks,
+            return_lse,
+            (seqlens_q, seqlens_kv),
+            (),
+            plans.sink_forward(),
+            (deterministic,),
+        )
         key = None if options is None else served_key(options, q, k, v)
     served = None if key is None else memoized(key)
     if served is not None:
@@ -92,8 +105,20 @@ def attention(
         out, lse = serve(Prepared(call, q, k, v, sinks, lengths), plan=resolved)
     else:
         prepared = prepare_dense(
-            q, k, v, scale=scale, causal=causal, bottom_right=bottom_right, window_size=window_size, sinks=sinks, seqlens_q=seqlens_q,
-            seqlens_kv=seqlens_kv, return_lse=return_lse, validate=validate, key=key, deterministic=deterministic,
+            q,
+            k,
+            v,
+            scale=scale,
+            causal=causal,
+            bottom_right=bottom_right,
+            window_size=window_size,
+            sinks=sinks,
+            seqlens_q=seqlens_q,
+            seqlens_kv=seqlens_kv,
+            return_lse=return_lse,
+            validate=validate,
+            key=key,
+            deterministic=deterministic,
         )
         out, lse = serve(prepared)
     return (out, lse) if return_lse else out
@@ -140,8 +165,21 @@ def varlen_attention(
     """
     key = None
     if not validate:
-        options = argument_options(q, k, v, scale, causal, bottom_right, window_size, sinks, return_lse, (cu_seqlens_q, cu_seqlens_kv),
-                                   (max_seqlen_q, max_seqlen_kv), plans.sink_forward(), (deterministic,))
+        options = argument_options(
+            q,
+            k,
+            v,
+            scale,
+            causal,
+            bottom_right,
+            window_size,
+            sinks,
+            return_lse,
+            (cu_seqlens_q, cu_seqlens_kv),
+            (max_seqlen_q, max_seqlen_kv),
+            plans.sink_forward(),
+            (deterministic,),
+        )
         key = None if options is None else served_key(options, q, k, v)
     served = None if key is None else memoized(key)
     if served is not None:  # its q/k/v were token-major already (else they would have been copied, and the call not remembered)
@@ -151,9 +189,22 @@ def varlen_attention(
         out, lse = serve(Prepared(call, q, k, v, sinks, lengths), plan=resolved)
     else:
         prepared = prepare_packed(
-            q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv, max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv,
-            scale=scale, causal=causal, bottom_right=bottom_right, window_size=window_size, sinks=sinks, return_lse=return_lse,
-            validate=validate, key=key, deterministic=deterministic,
+            q,
+            k,
+            v,
+            cu_seqlens_q=cu_seqlens_q,
+            cu_seqlens_kv=cu_seqlens_kv,
+            max_seqlen_q=max_seqlen_q,
+            max_seqlen_kv=max_seqlen_kv,
+            scale=scale,
+            causal=causal,
+            bottom_right=bottom_right,
+            window_size=window_size,
+            sinks=sinks,
+            return_lse=return_lse,
+            validate=validate,
+            key=key,
+            deterministic=deterministic,
         )
         out, lse = serve(prepared)
     return (out, lse) if return_lse else out
@@ -191,4 +242,3 @@ def serve(prepared: Prepared, *, plan=None):
         else:
             out, lse = fallback_outputs(out, lse, reason, needs_grad=call.needs_grad)
     return out, lse
-

@@ -115,7 +115,9 @@ class Prepared(NamedTuple):
 def needs_grad(q, k, v, sinks) -> bool:
     """Whether a backward will follow: grad mode is on and an input requires it."""
     # Plain boolean logic rather than any(generator): this runs on every call.
-    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or (sinks is not None and sinks.requires_grad))
+    return torch.is_grad_enabled() and (
+        q.requires_grad or k.requires_grad or v.requires_grad or (sinks is not None and sinks.requires_grad)
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -173,7 +175,20 @@ def argument_options(q, k, v, scale, causal, bottom_right, window_size, sinks, r
         return None
     sinks_key = None if sinks is None else (sinks.shape, sinks.dtype, sinks.device)
     grad = needs_grad(q, k, v, sinks)
-    return ("arguments", scale, causal, bottom_right, window_size, bool(return_lse), grad, sinks_key, tuple(index_key), ints, sink_forward, options)
+    return (
+        "arguments",
+        scale,
+        causal,
+        bottom_right,
+        window_size,
+        bool(return_lse),
+        grad,
+        sinks_key,
+        tuple(index_key),
+        ints,
+        sink_forward,
+        options,
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -213,15 +228,39 @@ def prepare_dense(
     lengths = padding_lengths(seqlens_q, seqlens_kv, B, S_q, S_kv, q.device) if padded else NO_LENGTHS
     grad = needs_grad(q, k, v, sinks) if grad is None else grad
     call = AttentionCall(
-        packed=False, padded=padded, max_seqlen_q=S_q, max_seqlen_kv=S_kv, scale=scale, mask=mask, has_sinks=sinks is not None,
-        need_lse=return_lse or grad, needs_grad=grad, **_checked(options),
+        packed=False,
+        padded=padded,
+        max_seqlen_q=S_q,
+        max_seqlen_kv=S_kv,
+        scale=scale,
+        mask=mask,
+        has_sinks=sinks is not None,
+        need_lse=return_lse or grad,
+        needs_grad=grad,
+        **_checked(options),
     )
     return Prepared(call, q, k, v, sinks, lengths, key if _unchanged(given, q, k, v) else None)
 
 
 def prepare_packed(
-    q, k, v, *, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, scale, causal, bottom_right, window_size, sinks, return_lse,
-    validate, grad=None, key=None, **options,
+    q,
+    k,
+    v,
+    *,
+    cu_seqlens_q,
+    cu_seqlens_kv,
+    max_seqlen_q,
+    max_seqlen_kv,
+    scale,
+    causal,
+    bottom_right,
+    window_size,
+    sinks,
+    return_lse,
+    validate,
+    grad=None,
+    key=None,
+    **options,
 ) -> Prepared:
     """Validate a packed (T, H, D) call (see :func:`cudnn_attention.varlen_attention`), as
     :func:`prepare_dense` does a dense one. A training call's q/k/v become token-major (see
@@ -237,8 +276,16 @@ def prepare_packed(
     if grad:
         q, k, v = token_major(q), token_major(k), token_major(v)
     call = AttentionCall(
-        packed=True, documents=cu_seqlens_q.shape[0] - 1, max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv, scale=scale, mask=mask,
-        has_sinks=sinks is not None, need_lse=return_lse or grad, needs_grad=grad, **_checked(options),
+        packed=True,
+        documents=cu_seqlens_q.shape[0] - 1,
+        max_seqlen_q=max_seqlen_q,
+        max_seqlen_kv=max_seqlen_kv,
+        scale=scale,
+        mask=mask,
+        has_sinks=sinks is not None,
+        need_lse=return_lse or grad,
+        needs_grad=grad,
+        **_checked(options),
     )
     lengths = packed_lengths(cu_seqlens_q, cu_seqlens_kv, q.shape[0], k.shape[0])
     return Prepared(call, q, k, v, sinks, lengths, key if _unchanged(given, q, k, v) else None)
@@ -257,7 +304,17 @@ def packed_lengths(cu_seqlens_q, cu_seqlens_kv, tokens_q: int, tokens_kv: int) -
 
 
 def prepare_aten(
-    query, key, value, *, cu_seqlens_q=None, cu_seqlens_kv=None, max_q: int, max_kv: int, is_causal: bool, scale, window_size=(-1, -1),
+    query,
+    key,
+    value,
+    *,
+    cu_seqlens_q=None,
+    cu_seqlens_kv=None,
+    max_q: int,
+    max_kv: int,
+    is_causal: bool,
+    scale,
+    window_size=(-1, -1),
     grad: bool,
 ) -> Prepared:
     """Validate a call of one of torch's attention ops the provider overrides (``aten::_scaled_dot_product_cudnn_attention``,
@@ -268,13 +325,37 @@ def prepare_aten(
     both directions, so the forward's graph and the backward's see one layout."""
     if cu_seqlens_q is None:
         return prepare_dense(
-            query, key, value, scale=scale, causal=is_causal, bottom_right=False, window_size=window_size, sinks=None, seqlens_q=None,
-            seqlens_kv=None, return_lse=grad, validate=False, grad=grad,
+            query,
+            key,
+            value,
+            scale=scale,
+            causal=is_causal,
+            bottom_right=False,
+            window_size=window_size,
+            sinks=None,
+            seqlens_q=None,
+            seqlens_kv=None,
+            return_lse=grad,
+            validate=False,
+            grad=grad,
         )
     query, key, value = token_major(query), token_major(key), token_major(value)
     return prepare_packed(
-        query, key, value, cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv, max_seqlen_q=max_q, max_seqlen_kv=max_kv, scale=scale,
-        causal=is_causal, bottom_right=True, window_size=window_size, sinks=None, return_lse=grad, validate=False, grad=grad,
+        query,
+        key,
+        value,
+        cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_kv=cu_seqlens_kv,
+        max_seqlen_q=max_q,
+        max_seqlen_kv=max_kv,
+        scale=scale,
+        causal=is_causal,
+        bottom_right=True,
+        window_size=window_size,
+        sinks=None,
+        return_lse=grad,
+        validate=False,
+        grad=grad,
     )
 
 
@@ -313,24 +394,52 @@ def op_args(call: AttentionCall, lengths: Lengths, sinks) -> dict:
     """The ops' arguments for ``call`` by name, after q/k/v (see ``OP_TAIL_SCHEMA``); dense maxima are the shapes' (0)."""
     mask = call.mask
     return dict(
-        sinks=sinks, seqlens_q=lengths.seqlens_q, seqlens_kv=lengths.seqlens_kv, cu_seqlens_q=lengths.cu_seqlens_q,
-        cu_seqlens_kv=lengths.cu_seqlens_kv, max_seqlen_q=call.max_seqlen_q if call.packed else 0,
-        max_seqlen_kv=call.max_seqlen_kv if call.packed else 0, window_left=mask.left, window_right=mask.right, bottom_right=mask.bottom_right,
+        sinks=sinks,
+        seqlens_q=lengths.seqlens_q,
+        seqlens_kv=lengths.seqlens_kv,
+        cu_seqlens_q=lengths.cu_seqlens_q,
+        cu_seqlens_kv=lengths.cu_seqlens_kv,
+        max_seqlen_q=call.max_seqlen_q if call.packed else 0,
+        max_seqlen_kv=call.max_seqlen_kv if call.packed else 0,
+        window_left=mask.left,
+        window_right=mask.right,
+        bottom_right=mask.bottom_right,
         **{name: getattr(call, name) for name in OP_OPTIONS},
     )
 
 
 def from_op_args(
-    q, k, *, need_lse: bool, grad: bool, sinks=None, seqlens_q=None, seqlens_kv=None, cu_seqlens_q=None, cu_seqlens_kv=None,
-    max_seqlen_q: int = 0, max_seqlen_kv: int = 0, window_left: int = -1, window_right: int = -1, bottom_right: bool = False, **options,
+    q,
+    k,
+    *,
+    need_lse: bool,
+    grad: bool,
+    sinks=None,
+    seqlens_q=None,
+    seqlens_kv=None,
+    cu_seqlens_q=None,
+    cu_seqlens_kv=None,
+    max_seqlen_q: int = 0,
+    max_seqlen_kv: int = 0,
+    window_left: int = -1,
+    window_right: int = -1,
+    bottom_right: bool = False,
+    **options,
 ) -> tuple[AttentionCall, Lengths]:
     """The call value and its lengths, rebuilt from the ops' arguments (:func:`op_args`; ``options``: the
     :data:`OP_OPTIONS`, which the dispatcher leaves out where they hold their defaults)."""
     packed = cu_seqlens_q is not None
     call = AttentionCall(
-        packed=packed, padded=seqlens_q is not None, documents=cu_seqlens_q.shape[0] - 1 if packed else 0,
-        max_seqlen_q=max_seqlen_q if packed else q.shape[2], max_seqlen_kv=max_seqlen_kv if packed else k.shape[2],
-        mask=MaskSpec(window_left, window_right, bottom_right), has_sinks=sinks is not None, need_lse=need_lse, needs_grad=grad, **options,
+        packed=packed,
+        padded=seqlens_q is not None,
+        documents=cu_seqlens_q.shape[0] - 1 if packed else 0,
+        max_seqlen_q=max_seqlen_q if packed else q.shape[2],
+        max_seqlen_kv=max_seqlen_kv if packed else k.shape[2],
+        mask=MaskSpec(window_left, window_right, bottom_right),
+        has_sinks=sinks is not None,
+        need_lse=need_lse,
+        needs_grad=grad,
+        **options,
     )
     if packed:
         return call, packed_lengths(cu_seqlens_q, cu_seqlens_kv, q.shape[0], k.shape[0])

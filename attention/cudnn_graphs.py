@@ -95,26 +95,47 @@ def spec_for(direction: str, call: AttentionCall, q, k, v, *, deterministic: boo
         batch, S_q = packed_bounds(documents=call.documents, max_seqlen=call.max_seqlen_q, tokens=q.shape[0])
         _, S_kv = packed_bounds(documents=call.documents, max_seqlen=call.max_seqlen_kv, tokens=k.shape[0])
         strides = dict(
-            q_strides=thd_descriptor_strides(q, S_q), k_strides=thd_descriptor_strides(k, S_kv), v_strides=thd_descriptor_strides(v, S_kv),
+            q_strides=thd_descriptor_strides(q, S_q),
+            k_strides=thd_descriptor_strides(k, S_kv),
+            v_strides=thd_descriptor_strides(v, S_kv),
             o_strides=(S_q * H * D_v, D_v, H * D_v, 1),
         )
         if backward:
             extra = dict(
                 grad_strides=((S_q * H * D, D, H * D, 1), (S_kv * H_kv * D, D, H_kv * D, 1), (S_kv * H_kv * D_v, D_v, H_kv * D_v, 1)),
-                total_q=shape_bucket(q.shape[0], MIN_SEQ_BUCKET), total_kv=shape_bucket(k.shape[0], MIN_SEQ_BUCKET),
+                total_q=shape_bucket(q.shape[0], MIN_SEQ_BUCKET),
+                total_kv=shape_bucket(k.shape[0], MIN_SEQ_BUCKET),
             )
     else:
         batch, S_q, S_kv = q.shape[0], q.shape[2], k.shape[2]
         strides = dict(
-            q_strides=tuple(q.stride()), k_strides=tuple(k.stride()), v_strides=tuple(v.stride()),
+            q_strides=tuple(q.stride()),
+            k_strides=tuple(k.stride()),
+            v_strides=tuple(v.stride()),
             o_strides=like_layout_strides((batch, H, S_q, D_v), q),
         )
         if backward:
             extra = dict(grad_strides=tuple(like_layout_strides(tuple(t.shape), t) for t in (q, k, v)))
     return GraphSpec(
-        direction=direction, device_index=q.device.index, dtype=q.dtype, batch=batch, heads_q=H, heads_kv=H_kv, seq_q=S_q, seq_kv=S_kv,
-        dim_qk=D, dim_v=D_v, scale=float(call.scale), mask=call.mask, sinks=call.has_sinks and not backward, padded=call.padded,
-        packed=call.packed, need_lse=call.need_lse or backward, deterministic=deterministic and backward, **strides, **extra,
+        direction=direction,
+        device_index=q.device.index,
+        dtype=q.dtype,
+        batch=batch,
+        heads_q=H,
+        heads_kv=H_kv,
+        seq_q=S_q,
+        seq_kv=S_kv,
+        dim_qk=D,
+        dim_v=D_v,
+        scale=float(call.scale),
+        mask=call.mask,
+        sinks=call.has_sinks and not backward,
+        padded=call.padded,
+        packed=call.packed,
+        need_lse=call.need_lse or backward,
+        deterministic=deterministic and backward,
+        **strides,
+        **extra,
     )
 
 
@@ -128,8 +149,19 @@ class _UID:
 class CompiledGraph:
     """A built graph plus what a call needs: operand uids in call order and ragged offset columns."""
 
-    __slots__ = ("spec", "graph", "workspace_size", "uids", "ragged_columns", "lowered", "cpp_index", "pointer_order", "batch", "out_strides",
-                 "grad_strides")  # fmt: skip
+    __slots__ = (
+        "spec",
+        "graph",
+        "workspace_size",
+        "uids",
+        "ragged_columns",
+        "lowered",
+        "cpp_index",
+        "pointer_order",
+        "batch",
+        "out_strides",
+        "grad_strides",
+    )
 
     def __init__(self, spec: GraphSpec, graph, workspace_size, uids, ragged_columns):
         self.spec = spec
@@ -453,8 +485,17 @@ def _backward_nodes(nodes: _Nodes, q, k, v, mask_args: dict) -> list:
     nodes.set_ragged(stats, "q", H)
     extra = dict(max_total_seq_len_q=spec.total_q, max_total_seq_len_kv=spec.total_kv) if spec.packed else {}
     dq, dk, dv = nodes.graph.sdpa_backward(
-        name="attention_backward", q=q, k=k, v=v, o=o, dO=d_o, stats=stats, attn_scale=spec.scale,
-        use_deterministic_algorithm=spec.deterministic, **mask_args, **extra,
+        name="attention_backward",
+        q=q,
+        k=k,
+        v=v,
+        o=o,
+        dO=d_o,
+        stats=stats,
+        attn_scale=spec.scale,
+        use_deterministic_algorithm=spec.deterministic,
+        **mask_args,
+        **extra,
     )
     dq_strides, dk_strides, dv_strides = spec.grad_strides
     for grad, uid, dims, strides, side in (

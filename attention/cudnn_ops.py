@@ -54,11 +54,21 @@ def _empty_float32(q):
 # ----------------------------------------------------------------------------------------------
 
 
-def _forward_cuda(q, k, v, sinks=None, seqlens_q=None, seqlens_kv=None, cu_seqlens_q=None, cu_seqlens_kv=None, *, need_lse=False, **options):
+def _forward_cuda(
+    q, k, v, sinks=None, seqlens_q=None, seqlens_kv=None, cu_seqlens_q=None, cu_seqlens_kv=None, *, need_lse=False, **options
+):
     q, k, v = aligned(q, "q"), aligned(k, "k"), aligned(v, "v")
     call, lengths = from_op_args(
-        q, k, need_lse=need_lse, grad=False, sinks=sinks, seqlens_q=seqlens_q, seqlens_kv=seqlens_kv, cu_seqlens_q=cu_seqlens_q,
-        cu_seqlens_kv=cu_seqlens_kv, **options,
+        q,
+        k,
+        need_lse=need_lse,
+        grad=False,
+        sinks=sinks,
+        seqlens_q=seqlens_q,
+        seqlens_kv=seqlens_kv,
+        cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_kv=cu_seqlens_kv,
+        **options,
     )
     try:
         plan = build_plan(q, k, v, call, deterministic=False)
@@ -69,11 +79,31 @@ def _forward_cuda(q, k, v, sinks=None, seqlens_q=None, seqlens_kv=None, cu_seqle
 
 
 def _backward_cuda(
-    grad_out, q, k, v, out, lse, grad_lse=None, sinks=None, seqlens_q=None, seqlens_kv=None, cu_seqlens_q=None, cu_seqlens_kv=None, **options
+    grad_out,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    grad_lse=None,
+    sinks=None,
+    seqlens_q=None,
+    seqlens_kv=None,
+    cu_seqlens_q=None,
+    cu_seqlens_kv=None,
+    **options,
 ):
     call, lengths = from_op_args(
-        q, k, need_lse=True, grad=True, sinks=sinks, seqlens_q=seqlens_q, seqlens_kv=seqlens_kv, cu_seqlens_q=cu_seqlens_q,
-        cu_seqlens_kv=cu_seqlens_kv, **options,
+        q,
+        k,
+        need_lse=True,
+        grad=True,
+        sinks=sinks,
+        seqlens_q=seqlens_q,
+        seqlens_kv=seqlens_kv,
+        cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_kv=cu_seqlens_kv,
+        **options,
     )
     # The op saved its inputs as given: the forward ran on aligned copies of any that were not.
     q, k, v, out = aligned(q, "q"), aligned(k, "k"), aligned(v, "v"), aligned(out, "out")
@@ -128,14 +158,28 @@ _lib.impl("backward", _backward_cuda, "CUDA")
 
 
 @torch.library.register_fake("cudnn_attention::forward", lib=_lib)
-def _forward_fake(q, k, v, sinks=None, seqlens_q=None, seqlens_kv=None, cu_seqlens_q=None, cu_seqlens_kv=None, *, need_lse=False, **options):
+def _forward_fake(
+    q, k, v, sinks=None, seqlens_q=None, seqlens_kv=None, cu_seqlens_q=None, cu_seqlens_kv=None, *, need_lse=False, **options
+):
     out, lse = allocate_forward_outputs(q, v, packed=cu_seqlens_q is not None, need_lse=need_lse)
     return out, lse if lse is not None else _empty_float32(q)
 
 
 @torch.library.register_fake("cudnn_attention::backward", lib=_lib)
 def _backward_fake(
-    grad_out, q, k, v, out, lse, grad_lse=None, sinks=None, seqlens_q=None, seqlens_kv=None, cu_seqlens_q=None, cu_seqlens_kv=None, **options
+    grad_out,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    grad_lse=None,
+    sinks=None,
+    seqlens_q=None,
+    seqlens_kv=None,
+    cu_seqlens_q=None,
+    cu_seqlens_kv=None,
+    **options,
 ):
     dq, dk, dv = allocate_backward_outputs(q, k, v, packed=cu_seqlens_q is not None, padded=seqlens_q is not None)
     return dq, dk, dv, torch.empty((sinks.shape[0],), dtype=torch.float32, device=q.device) if sinks is not None else _empty_float32(q)
@@ -192,7 +236,10 @@ class _EagerAttention(torch.autograd.Function):
             return None, None, None, None, None, None, None
         q, k, v, out, lse, sinks, seqlens_q, seqlens_kv, cu_seqlens_q, cu_seqlens_kv = ctx.saved_tensors
         lengths = Lengths(
-            seqlens_q=seqlens_q, seqlens_kv=seqlens_kv, cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv,
+            seqlens_q=seqlens_q,
+            seqlens_kv=seqlens_kv,
+            cu_seqlens_q=cu_seqlens_q,
+            cu_seqlens_kv=cu_seqlens_kv,
             covers_every_token=ctx.covers_every_token,
         )
         graph, deterministic = ctx.plan.backward, ctx.call.backward_deterministic()

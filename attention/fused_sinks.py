@@ -94,7 +94,10 @@ def _launch_fold(out, lse, sinks, absent):
         absent_AC, has_absent = lse, False  # never read
     else:
         # absent broadcasts over heads: (B, 1, S) -> (A, C) or (T, 1) -> (A, 1); made contiguous (small).
-        absent_AC, has_absent = absent.expand(A, 1, C).reshape(A, C).contiguous() if lse.dim() == 3 else absent.reshape(A, 1).contiguous(), True
+        absent_AC, has_absent = (
+            absent.expand(A, 1, C).reshape(A, C).contiguous() if lse.dim() == 3 else absent.reshape(A, 1).contiguous(),
+            True,
+        )
     block_r, block_d = _blocks(D, rows)
     _fold_kernel[(triton.cdiv(rows, block_r),)](
         out, lse, sinks, absent_AC, rows, H, C, sa, sh, sc, D, HAS_ABSENT=has_absent, BLOCK_R=block_r, BLOCK_D=block_d
@@ -124,8 +127,22 @@ if triton is not None:
     # Redundant stores of a (BLOCK_R, 1) value write the same bits.
 
     @triton.jit
-    def _fold_kernel(out_ptr, lse_ptr, sinks_ptr, absent_ptr, rows, H, C, sa, sh, sc, D,
-                     HAS_ABSENT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
+    def _fold_kernel(
+        out_ptr,
+        lse_ptr,
+        sinks_ptr,
+        absent_ptr,
+        rows,
+        H,
+        C,
+        sa,
+        sh,
+        sc,
+        D,
+        HAS_ABSENT: tl.constexpr,
+        BLOCK_R: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+    ):
         r_R1 = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]
         valid_R1 = r_R1 < rows
         c_R1 = r_R1 % C
@@ -150,8 +167,9 @@ if triton is not None:
         tl.store(lse_ptr + r_R1, folded_R1, mask=valid_R1)
 
     @triton.jit
-    def _sink_gradient_kernel(grad_ptr, out_ptr, lse_ptr, sinks_ptr, terms_ptr, rows, H, C, sa, sh, sc, D,
-                              BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
+    def _sink_gradient_kernel(
+        grad_ptr, out_ptr, lse_ptr, sinks_ptr, terms_ptr, rows, H, C, sa, sh, sc, D, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr
+    ):
         r_R1 = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]
         valid_R1 = r_R1 < rows
         c_R1 = r_R1 % C

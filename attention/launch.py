@@ -24,7 +24,17 @@ from .fused_sinks import fold_sinks, sink_gradient
 from .layouts import allocate_backward_outputs, allocate_forward_outputs
 from .policy import count_cudnn
 
-__all__ = ["aligned", "bound_handle", "clear_workspaces", "execute", "frontend", "frontend_unavailable_reason", "release_handles", "run_backward", "run_forward"]
+__all__ = [
+    "aligned",
+    "bound_handle",
+    "clear_workspaces",
+    "execute",
+    "frontend",
+    "frontend_unavailable_reason",
+    "release_handles",
+    "run_backward",
+    "run_forward",
+]
 
 _logger = logging.getLogger(__name__)
 
@@ -102,7 +112,6 @@ def _workspace(size: int, device: torch.device, stream: int):
     return buffer
 
 
-
 def clear_workspaces() -> None:
     """Drop the kept workspaces (with the graph cache: a changed environment, tests)."""
     _workspaces.clear()
@@ -153,8 +162,12 @@ def _length_operands(graph, lengths: Lengths) -> list:
         if lengths.seqlens_q is None:
             return []
         return [aligned(lengths.seqlens_q, "seqlens_q"), aligned(lengths.seqlens_kv, "seqlens_kv")]
-    return _memoized(cu_seqlens_q, cu_seqlens_kv, ("ragged operands", graph.batch, graph.ragged_columns),
-                     lambda: _ragged_operands(graph, cu_seqlens_q, cu_seqlens_kv))  # fmt: skip
+    return _memoized(
+        cu_seqlens_q,
+        cu_seqlens_kv,
+        ("ragged operands", graph.batch, graph.ragged_columns),
+        lambda: _ragged_operands(graph, cu_seqlens_q, cu_seqlens_kv),
+    )
 
 
 def _memoized(cu_seqlens_q, cu_seqlens_kv, key: tuple, compute):
@@ -194,10 +207,11 @@ def _padding_rows(seqlens_q, s_q: int) -> torch.Tensor:
 
 def _packed_absent_rows(cu_seqlens_q, cu_seqlens_kv, tokens: int) -> torch.Tensor:
     """(T, 1) bool: packed query tokens in no document (past ``cu_seqlens_q[-1]``) or in a document with no key."""
-    document_T = torch.searchsorted(cu_seqlens_q, torch.arange(tokens, device=cu_seqlens_q.device, dtype=cu_seqlens_q.dtype), right=True) - 1
+    document_T = (
+        torch.searchsorted(cu_seqlens_q, torch.arange(tokens, device=cu_seqlens_q.device, dtype=cu_seqlens_q.dtype), right=True) - 1
+    )
     has_keys = torch.cat([cu_seqlens_kv[1:] > cu_seqlens_kv[:-1], cu_seqlens_kv.new_zeros(1, dtype=torch.bool)])
     return ~has_keys[document_T].unsqueeze(-1)
-
 
 
 # ----------------------------------------------------------------------------------------------
@@ -230,7 +244,9 @@ def run_forward(plan, q, k, v, sinks, lengths: Lengths, need_lse: bool):
             absent = invalid_B1S1[..., 0]
         elif packed and not every_row:
             tokens = q.shape[0]
-            absent = _memoized(cu_seqlens_q, cu_seqlens_kv, ("absent rows", tokens), lambda: _packed_absent_rows(cu_seqlens_q, cu_seqlens_kv, tokens))
+            absent = _memoized(
+                cu_seqlens_q, cu_seqlens_kv, ("absent rows", tokens), lambda: _packed_absent_rows(cu_seqlens_q, cu_seqlens_kv, tokens)
+            )
         fold_sinks(out, lse, sinks, absent)
         if not need_lse:
             lse = None
@@ -353,5 +369,3 @@ def _lse_sink_gradient(dlse: torch.Tensor, lse: torch.Tensor, sinks: torch.Tenso
     sinks_view = sinks.view(1, -1, 1) if lse.dim() == 3 else sinks.view(1, -1)
     terms = torch.where(lse == float("-inf"), 0.0, dlse * torch.exp(sinks_view - lse))
     return terms.sum((0, 2) if lse.dim() == 3 else (0,))
-
-

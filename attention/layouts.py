@@ -8,7 +8,15 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["allocate_backward_outputs", "allocate_forward_outputs", "like_layout_strides", "packed_bounds", "shape_bucket", "thd_descriptor_strides", "token_major"]
+__all__ = [
+    "allocate_backward_outputs",
+    "allocate_forward_outputs",
+    "like_layout_strides",
+    "packed_bounds",
+    "shape_bucket",
+    "thd_descriptor_strides",
+    "token_major",
+]
 
 
 def like_layout_strides(shape: tuple[int, ...], like: torch.Tensor) -> tuple[int, ...]:
@@ -118,7 +126,13 @@ def allocate_forward_outputs(
 
 
 def allocate_backward_outputs(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, packed: bool, padded: bool, grad_strides: tuple | None = None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    packed: bool,
+    padded: bool,
+    grad_strides: tuple | None = None,
     zero_tails: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)``. Dense gradients adopt their input's layout (autograd hands them back as

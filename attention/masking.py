@@ -68,7 +68,9 @@ def _mask_spec(causal: bool, bottom_right: bool, window_size) -> MaskSpec:
     left, right = _as_window(window_size)
     if causal:
         if right > 0:
-            raise ValueError(f"causal=True hides every future key but window_size={tuple(window_size)} admits {right} of them; pass one or the other")
+            raise ValueError(
+                f"causal=True hides every future key but window_size={tuple(window_size)} admits {right} of them; pass one or the other"
+            )
         right = 0
     # Alignment only moves a band; without one it changes nothing, so drop it (one cache entry, one meaning).
     return MaskSpec(left=left, right=right, bottom_right=bottom_right and (left >= 0 or right >= 0))

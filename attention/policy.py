@@ -86,7 +86,11 @@ class Counters:
             "fallback_forward": dict(self.fallback["forward"]),
             "fallback_backward": dict(self.fallback["backward"]),
             "provider": provider,
-            "graph_builds": {"forward": self.graph_builds["forward"], "backward": self.graph_builds["backward"], "seconds": self.build_seconds},
+            "graph_builds": {
+                "forward": self.graph_builds["forward"],
+                "backward": self.graph_builds["backward"],
+                "seconds": self.build_seconds,
+            },
         }
 
     def flat(self) -> dict[str, float]:

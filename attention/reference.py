@@ -156,7 +156,14 @@ def varlen_reference(
         k_CHSD = k_THD[gather_kv_CS].permute(0, 2, 1, 3)
         v_CHSD = v_THD[gather_kv_CS].permute(0, 2, 1, 3)
         o_CHSD, lse_CHS = dense_reference(
-            q_CHSD, k_CHSD, v_CHSD, scale=scale, mask=mask, sinks_H=sinks_H, seqlens_q_B=len_q_B[docs], seqlens_kv_B=len_kv_B[docs],
+            q_CHSD,
+            k_CHSD,
+            v_CHSD,
+            scale=scale,
+            mask=mask,
+            sinks_H=sinks_H,
+            seqlens_q_B=len_q_B[docs],
+            seqlens_kv_B=len_kv_B[docs],
             compute_dtype=compute_dtype,
         )
         scatter_CS = torch.where(valid_q_CS, rows_q_CS, T_q)
@@ -170,7 +177,18 @@ def exact_attention(call, q, k, v, *, sinks, lengths) -> tuple[torch.Tensor, tor
     :class:`~cudnn_attention.call.Lengths`) on this exact path: the one entry of every fallback, the eager
     one and the one inside the ops (a configuration cuDNN rejects under ``torch.compile``)."""
     if call.packed:
-        return varlen_reference(q, k, v, lengths.cu_seqlens_q, lengths.cu_seqlens_kv, call.max_seqlen_q, call.max_seqlen_kv,
-                                scale=call.scale, mask=call.mask, sinks_H=sinks)  # fmt: skip
-    return dense_reference(q, k, v, scale=call.scale, mask=call.mask, sinks_H=sinks, seqlens_q_B=lengths.seqlens_q,
-                           seqlens_kv_B=lengths.seqlens_kv)  # fmt: skip
+        return varlen_reference(
+            q,
+            k,
+            v,
+            lengths.cu_seqlens_q,
+            lengths.cu_seqlens_kv,
+            call.max_seqlen_q,
+            call.max_seqlen_kv,
+            scale=call.scale,
+            mask=call.mask,
+            sinks_H=sinks,
+        )
+    return dense_reference(
+        q, k, v, scale=call.scale, mask=call.mask, sinks_H=sinks, seqlens_q_B=lengths.seqlens_q, seqlens_kv_B=lengths.seqlens_kv
+    )

@@ -116,16 +116,49 @@ def sdpa_forward(query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0
     return out, lse, None, None, S_q, S_kv, seed, offset, None
 
 
-def sdpa_backward(grad_out, query, key, value, out, logsumexp, philox_seed, philox_offset, attn_bias, cum_seq_q, cum_seq_k, max_q, max_k,
-                  dropout_p, is_causal, *, scale=None):  # fmt: skip
+def sdpa_backward(
+    grad_out,
+    query,
+    key,
+    value,
+    out,
+    logsumexp,
+    philox_seed,
+    philox_offset,
+    attn_bias,
+    cum_seq_q,
+    cum_seq_k,
+    max_q,
+    max_k,
+    dropout_p,
+    is_causal,
+    *,
+    scale=None,
+):
     """``aten::_scaled_dot_product_cudnn_attention_backward`` on CUDA: ``(dq, dk, dv)``."""
-    prepared, reason = _dense_resolve(query, key, value, attn_bias, dropout_p, is_causal=is_causal, scale=scale, grad=True, cum_seq=cum_seq_q)
+    prepared, reason = _dense_resolve(
+        query, key, value, attn_bias, dropout_p, is_causal=is_causal, scale=scale, grad=True, cum_seq=cum_seq_q
+    )
     if reason is not None:
         count_provider("torch_backward", reason)
         return torch.ops.aten._cudnn_attention_backward(
-            grad_out, query, key, value, out, logsumexp, philox_seed, philox_offset, attn_bias, cum_seq_q, cum_seq_k, max_q, max_k,
-            dropout_p, is_causal, scale=scale,
-        )  # fmt: skip
+            grad_out,
+            query,
+            key,
+            value,
+            out,
+            logsumexp,
+            philox_seed,
+            philox_offset,
+            attn_bias,
+            cum_seq_q,
+            cum_seq_k,
+            max_q,
+            max_k,
+            dropout_p,
+            is_causal,
+            scale=scale,
+        )
     lse_BHS = logsumexp.squeeze(-1) if logsumexp.dim() == 4 else logsumexp
     # torch's autograd formula for this op declares its LSE non-differentiable (F.scaled_dot_product_attention
     # returns none), so there is no grad_lse.
@@ -291,8 +324,17 @@ def _varlen_resolve(call: VarlenCall) -> tuple[Prepared | None, str | None]:
     window = (-1, -1) if call.window_size is None else tuple(int(bound) for bound in call.window_size)
     # torch 2.15's cuDNN backend keeps FlashAttention's bottom-right meaning: it declines the cases where cuDNN's differs.
     return _resolve(
-        call.query, call.key, call.value, cu_seqlens_q=call.cu_seq_q, cu_seqlens_kv=call.cu_seq_k, max_q=call.max_q, max_kv=call.max_k,
-        is_causal=call.is_causal, window_size=window, scale=call.scale, grad=True,
+        call.query,
+        call.key,
+        call.value,
+        cu_seqlens_q=call.cu_seq_q,
+        cu_seqlens_kv=call.cu_seq_k,
+        max_q=call.max_q,
+        max_kv=call.max_k,
+        is_causal=call.is_causal,
+        window_size=window,
+        scale=call.scale,
+        grad=True,
     )
 
 

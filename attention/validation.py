@@ -241,8 +241,11 @@ def _assert_prefix_sums(cu_seqlens_q, cu_seqlens_kv, total_q, total_kv, max_seql
         ends_ok = (cu[-1] == total) if cover_all else (cu[-1] <= total)
         side_ok = (cu[0] == 0) & (lengths.min() >= 0) & ends_ok & (lengths.max() <= max_seqlen)
         ok = side_ok if ok is None else ok & side_ok
-    _compat.assert_on_device(ok, f"cudnn_attention: invalid {names[0]}/{names[1]}: they must start at 0, never decrease, end "
-                            f"{'at' if cover_all else 'within'} the token count, and hold no document longer than {names[2]}/{names[3]}")  # fmt: skip
+    _compat.assert_on_device(
+        ok,
+        f"cudnn_attention: invalid {names[0]}/{names[1]}: they must start at 0, never decrease, end "
+        f"{'at' if cover_all else 'within'} the token count, and hold no document longer than {names[2]}/{names[3]}",
+    )
 
 
 def _remember_checked(cu_seqlens_q, cu_seqlens_kv, key: tuple) -> None:
@@ -273,7 +276,9 @@ def every_token_covered(cu_seqlens_q, cu_seqlens_kv, total_q: int, total_kv: int
     return tensor_memo.recall(cu_seqlens_q, (_EVERY_TOKEN_COVERED, total_q, total_kv), cu_seqlens_kv) is True
 
 
-def validate_cu_seqlens(cu_seqlens, name: str, total: int, max_seqlen: int, *, max_name: str = "max_seqlen", cover_all: bool = False) -> None:
+def validate_cu_seqlens(
+    cu_seqlens, name: str, total: int, max_seqlen: int, *, max_name: str = "max_seqlen", cover_all: bool = False
+) -> None:
     """Host-side checks (they synchronize): starts at 0, non-decreasing, ends <= T (== T with
     ``cover_all``), lengths <= ``max_seqlen`` (called ``max_name`` in the message)."""
     cu = cu_seqlens.detach().cpu().long()

@@ -114,8 +114,9 @@ def implementations(case: Case, q, k, v, sinks, cu):
     window = (case.left, 0)
     impls = {}
     if case.packed:
-        impls["cudnn_attention"] = lambda: cudnn_attention.varlen_attention(q, k, v, cu, cu, max_len, max_len, causal=True,
-                                                                            window_size=window, sinks=sinks)  # fmt: skip
+        impls["cudnn_attention"] = lambda: cudnn_attention.varlen_attention(
+            q, k, v, cu, cu, max_len, max_len, causal=True, window_size=window, sinks=sinks
+        )
         # The row above, a plain varlen call, may have a capacity tail and pays the zero fills; this one does not.
         covered = covering_every_token(cu, q.shape[0], max_len)
         impls["cudnn_attention, every token in a document"] = lambda: cudnn_attention.varlen_attention(
@@ -123,15 +124,36 @@ def implementations(case: Case, q, k, v, sinks, cu):
         )
         if not case.sinks:
             impls["torch flash"] = lambda: torch.ops.aten._flash_attention_forward(
-                q, k, v, cu, cu, max_len, max_len, 0.0, True, False, window_size_left=case.left if case.left >= 0 else None, window_size_right=0
+                q,
+                k,
+                v,
+                cu,
+                cu,
+                max_len,
+                max_len,
+                0.0,
+                True,
+                False,
+                window_size_left=case.left if case.left >= 0 else None,
+                window_size_right=0,
             )[0]
     else:
         impls["cudnn_attention"] = lambda: cudnn_attention.attention(q, k, v, causal=True, window_size=window, sinks=sinks)
         q_bshd, k_bshd, v_bshd = (t.transpose(1, 2) for t in (q, k, v))
         impls["torch flash"] = lambda: torch.ops.aten._flash_attention_forward(
-            q_bshd, k_bshd, v_bshd, None, None, q.shape[2], k.shape[2], 0.0, True, False,
-            window_size_left=case.left if case.left >= 0 else None, window_size_right=0,
-        )[0]  # fmt: skip
+            q_bshd,
+            k_bshd,
+            v_bshd,
+            None,
+            None,
+            q.shape[2],
+            k.shape[2],
+            0.0,
+            True,
+            False,
+            window_size_left=case.left if case.left >= 0 else None,
+            window_size_right=0,
+        )[0]
         if case.left < 0 and not case.sinks:
             group = case.heads_q // case.heads_kv
 
@@ -148,12 +170,23 @@ def implementations(case: Case, q, k, v, sinks, cu):
         scale = case.head_dim**-0.5
         if case.packed:
             impls["upstream cudnn::sdpa_fwd"] = lambda: torch.ops.cudnn.sdpa_fwd(
-                q, k, v, scale, is_causal=True, window_left=lb, sinks=sinks, cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                max_seqlen_q=max_len, max_seqlen_kv=max_len, return_lse=True,
-            )[0]  # fmt: skip
+                q,
+                k,
+                v,
+                scale,
+                is_causal=True,
+                window_left=lb,
+                sinks=sinks,
+                cu_seqlens_q=cu,
+                cu_seqlens_kv=cu,
+                max_seqlen_q=max_len,
+                max_seqlen_kv=max_len,
+                return_lse=True,
+            )[0]
         else:
-            impls["upstream cudnn::sdpa_fwd"] = lambda: torch.ops.cudnn.sdpa_fwd(q, k, v, scale, is_causal=True, window_left=lb,
-                                                                                sinks=sinks, return_lse=True)[0]  # fmt: skip
+            impls["upstream cudnn::sdpa_fwd"] = lambda: torch.ops.cudnn.sdpa_fwd(
+                q, k, v, scale, is_causal=True, window_left=lb, sinks=sinks, return_lse=True
+            )[0]
     except Exception as exc:  # noqa: BLE001 - report, keep benchmarking the others
         print(f"upstream ops unavailable: {exc}")
     return impls
@@ -252,7 +285,9 @@ def host_overhead_us(iters=2000) -> dict:
         "cudnn_attention packed, every token in a document": lambda t: cudnn_attention.varlen_attention(
             packed(t), packed(t), packed(t), covered, covered, 64, 64
         ),
-        "torch flash varlen": lambda t: torch.ops.aten._flash_attention_forward(packed(t), packed(t), packed(t), cu, cu, 64, 64, 0.0, False, False)[0],
+        "torch flash varlen": lambda t: torch.ops.aten._flash_attention_forward(
+            packed(t), packed(t), packed(t), cu, cu, 64, 64, 0.0, False, False
+        )[0],
     }
     backwards = {}
     for name, fn in list(calls.items()):
@@ -293,7 +328,9 @@ def sink_forward_comparison(case: Case) -> dict:
     q, k, v, sinks = (t.detach() for t in (q, k, v, sinks))
     run = lambda s: cudnn_attention.varlen_attention(q, k, v, cu, cu, max_len, max_len, causal=True, window_size=window, sinks=s)  # noqa: E731
     mask = make_mask_spec(causal=True, bottom_right=False, window_size=window)
-    reference, _ = varlen_reference(q.float(), k.float(), v.float(), cu, cu, max_len, max_len, scale=case.head_dim**-0.5, mask=mask, sinks_H=sinks)
+    reference, _ = varlen_reference(
+        q.float(), k.float(), v.float(), cu, cu, max_len, max_len, scale=case.head_dim**-0.5, mask=mask, sinks_H=sinks
+    )
     saved = plan.sink_forward
     result = {"default": saved()}
     try:
@@ -328,21 +365,43 @@ def markdown(cases, host, sinks=None) -> str:
             total = r.get("fwd_bwd_ms")
             ratio = f"{total / ours:.2f}x slower" if ours and total and name != "cudnn_attention" else ""
             bwd = (f"{r['bwd_ms']:.3f}", f"{r['bwd_tflops']:.0f}") if "bwd_ms" in r else (r.get("bwd_error", "-")[:40], "")
-            lines.append(f"| {case.name} | {name} | {r['fwd_ms']:.3f} | {r['fwd_tflops']:.0f} | {bwd[0]} | {bwd[1]} | "
-                         f"{total:.3f} | {ratio} |" if total else f"| {case.name} | {name} | {r['fwd_ms']:.3f} | {r['fwd_tflops']:.0f} | {bwd[0]} | | | |")  # fmt: skip
+            lines.append(
+                f"| {case.name} | {name} | {r['fwd_ms']:.3f} | {r['fwd_tflops']:.0f} | {bwd[0]} | {bwd[1]} | {total:.3f} | {ratio} |"
+                if total
+                else f"| {case.name} | {name} | {r['fwd_ms']:.3f} | {r['fwd_tflops']:.0f} | {bwd[0]} | | | |"
+            )
     lines += ["", "Engine plans chosen:", ""]
     lines += [f"- {case.name} / {name}: {', '.join(r.get('plans', [])) or 'n/a'}" for case in cases for name, r in case.results.items()]
-    lines += ["", ("Host microseconds per call (the implementations measured in turns, ten rounds of 200 calls, the least round mean of each), B=H=1, S=128, D=64 (packed: two documents of 64); "
-                   "backward is `torch.autograd.grad`, and "
-                   "less floor is that minus the floor row's (a Python autograd node that does no work):"), "",
-              "| implementation | no-grad forward | grad forward | backward | backward less floor |", "|---|---|---|---|---|"]  # fmt: skip
-    lines += [f"| {name} | {r['no-grad forward']:.1f} | {r['grad forward']:.1f} | {r['backward']:.1f} | "
-              f"{r['backward less floor']:.1f} |" if "backward less floor" in r else
-              f"| {name} | {r['no-grad forward']:.1f} | {r['grad forward']:.1f} | {r['backward']:.1f} | |" for name, r in host.items()]  # fmt: skip
+    lines += [
+        "",
+        (
+            "Host microseconds per call (the implementations measured in turns, ten rounds of 200 calls, the least round mean of each), B=H=1, S=128, D=64 (packed: two documents of 64); "
+            "backward is `torch.autograd.grad`, and "
+            "less floor is that minus the floor row's (a Python autograd node that does no work):"
+        ),
+        "",
+        "| implementation | no-grad forward | grad forward | backward | backward less floor |",
+        "|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {name} | {r['no-grad forward']:.1f} | {r['grad forward']:.1f} | {r['backward']:.1f} | {r['backward less floor']:.1f} |"
+        if "backward less floor" in r
+        else f"| {name} | {r['no-grad forward']:.1f} | {r['grad forward']:.1f} | {r['backward']:.1f} | |"
+        for name, r in host.items()
+    ]
     for name, ways in (sinks or {}).items():
-        lines += ["", f"Sink forward at {name} (setting: {ways['default']}):", "", "| way | fwd ms | vs no sinks | max abs err vs fp32 | engine plans |", "|---|---|---|---|---|"]
-        lines += [f"| {way} | {r['fwd_ms']:.3f} | {r.get('vs no sinks', 1.0):.2f}x | {r.get('max_abs_err', float('nan')):.2e} | {', '.join(r['plans'])} |"
-                  for way, r in ways.items() if way != "default"]  # fmt: skip
+        lines += [
+            "",
+            f"Sink forward at {name} (setting: {ways['default']}):",
+            "",
+            "| way | fwd ms | vs no sinks | max abs err vs fp32 | engine plans |",
+            "|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {way} | {r['fwd_ms']:.3f} | {r.get('vs no sinks', 1.0):.2f}x | {r.get('max_abs_err', float('nan')):.2e} | {', '.join(r['plans'])} |"
+            for way, r in ways.items()
+            if way != "default"
+        ]
     return "\n".join(lines)
 
 
@@ -371,7 +430,13 @@ def main():
     print("stats:", cudnn_attention.stats())
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "attention_kernels.md").write_text(table + "\n")
-    payload = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "cases": [asdict(c) for c in cases], "host_us": host, "sinks": sinks}
+    payload = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "cases": [asdict(c) for c in cases],
+        "host_us": host,
+        "sinks": sinks,
+    }
     (args.out / "attention_kernels.json").write_text(json.dumps(payload, indent=1))
 
 

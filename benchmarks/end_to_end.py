@@ -56,9 +56,11 @@ BOTH_PACKINGS = ("cudnn", "flex_attention")
 # CatArrayBatchedCopy: torch.cat; Memcpy DtoD/HtoD).
 ATTENTION_WORDS = ("attention", "attn", "fmha", "flash", "sdpa", "cudnn", "flex", "triton_tem")
 COPY_WORDS = ("copy", "memcpy")
-RULE = (f"attention: kernel names containing any of {', '.join(ATTENTION_WORDS)} (eager's gemm/softmax not counted); "
-        f"copies: names containing {' or '.join(COPY_WORDS)}; idle: the timed mean step time minus the union of the kernel "
-        "intervals of one more, profiled step. Shares are of the timed mean step time.")  # fmt: skip
+RULE = (
+    f"attention: kernel names containing any of {', '.join(ATTENTION_WORDS)} (eager's gemm/softmax not counted); "
+    f"copies: names containing {' or '.join(COPY_WORDS)}; idle: the timed mean step time minus the union of the kernel "
+    "intervals of one more, profiled step. Shares are of the timed mean step time."
+)
 
 
 @dataclass(frozen=True)
@@ -93,8 +95,9 @@ SETUPS = {
 def quick(setup: Setup) -> Setup:
     """The tiny version of ``setup`` for the CPU plumbing run."""
     shape = preset_shape(family=setup.family, size="tiny", window=16 if setup.shape.window else None)
-    return dataclasses.replace(setup, shape=shape, tokens=256, doc_range=(16, 96), lead_document=128 if setup.lead_document else 0,
-                               vocab=256)  # fmt: skip
+    return dataclasses.replace(
+        setup, shape=shape, tokens=256, doc_range=(16, 96), lead_document=128 if setup.lead_document else 0, vocab=256
+    )
 
 
 def build_model(setup: Setup, device: str):
@@ -102,8 +105,16 @@ def build_model(setup: Setup, device: str):
     with even-numbered layers sliding, learnable sinks in every layer and its masks kept per document (the
     recipes' ``packing_safe_masks``). Every token goes to every expert, so routing near-ties (which bf16
     rounding flips differently per implementation) change nothing."""
-    return build_recipe_model(attn_implementation="eager", family=setup.family, shape=setup.shape, vocab_size=setup.vocab,
-                              max_positions=max(setup.tokens, 4096), device=device, dtype=torch.bfloat16, seed=0)  # fmt: skip
+    return build_recipe_model(
+        attn_implementation="eager",
+        family=setup.family,
+        shape=setup.shape,
+        vocab_size=setup.vocab,
+        max_positions=max(setup.tokens, 4096),
+        device=device,
+        dtype=torch.bfloat16,
+        seed=0,
+    )
 
 
 def document_lengths(setup: Setup, generator: torch.Generator) -> list[int]:
@@ -169,10 +180,15 @@ def summarize(kernels: list[tuple[str, float, float]], step_us: float, *, top: i
         by_name[name][0] += last - first
         by_name[name][1] += 1
     ranked = sorted(by_name.items(), key=lambda item: -item[1][0])[:top]
-    return {"busy_ms": busy / 1000, **{f"{what}_pct": 100 * us / step_us for what, us in spent.items()},
-            "idle_pct": 100 * max(0.0, step_us - busy) / step_us,
-            "top_kernels": [{"name": name[:120], "ms": us / 1000, "calls": calls, "pct": 100 * us / step_us, "category": category(name)}
-                            for name, (us, calls) in ranked]}  # fmt: skip
+    return {
+        "busy_ms": busy / 1000,
+        **{f"{what}_pct": 100 * us / step_us for what, us in spent.items()},
+        "idle_pct": 100 * max(0.0, step_us - busy) / step_us,
+        "top_kernels": [
+            {"name": name[:120], "ms": us / 1000, "calls": calls, "pct": 100 * us / step_us, "category": category(name)}
+            for name, (us, calls) in ranked
+        ],
+    }
 
 
 def category(kernel: str) -> str:
@@ -214,8 +230,19 @@ def warm_shapes(model, batches: list[dict]) -> None:
         model(**{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in batch.items()})
 
 
-def run_one(model, initial: dict, setup: Setup, impl: str, packing: str, batches: list[dict], *, warmup: int, profile: bool,
-            device: str, shapes_first: bool = True) -> dict:  # fmt: skip
+def run_one(
+    model,
+    initial: dict,
+    setup: Setup,
+    impl: str,
+    packing: str,
+    batches: list[dict],
+    *,
+    warmup: int,
+    profile: bool,
+    device: str,
+    shapes_first: bool = True,
+) -> dict:
     """One (implementation, packing) row: warm-up, the shape pass (``shapes_first``, see :func:`warm_shapes`), timed steps,
     peak memory, and the profile of one more step."""
     row, notes = {"config": setup.name, "implementation": impl, "packing": packing}, []
@@ -254,8 +281,11 @@ def run_one(model, initial: dict, setup: Setup, impl: str, packing: str, batches
         built, build_seconds = graph_builds(since=before)
         if built:  # a batch with document counts or lengths not seen before: its graphs' build time is in the step time
             notes.append(f"{built} cuDNN graphs built during the timed steps ({build_seconds:.2f} s)")
-        row |= {"tokens_per_s": setup.tokens * len(timed) / seconds, "step_ms": 1000 * seconds / len(timed),
-                "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None}  # fmt: skip
+        row |= {
+            "tokens_per_s": setup.tokens * len(timed) / seconds,
+            "step_ms": 1000 * seconds / len(timed),
+            "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
+        }
         # Profiled after the timing: since torch 2.7 (pytorch#146604) CUPTI is torn down when a profile ends, so the
         # next rows' timings do not pay for it. Shares are of the timed step: the profiler's host cost is no idle time.
         if profile:
@@ -282,8 +312,10 @@ def run_one(model, initial: dict, setup: Setup, impl: str, packing: str, batches
 
 def add_ratios(rows: list[dict]) -> None:
     """tokens/s and peak memory against flex_attention and sdpa of the same run, same packing where measured."""
-    refs_by_key = {key: {r["packing"]: r for r in rows if r["implementation"] == name and r.get("tokens_per_s")}
-                   for name, key in (("flex_attention", "flex"), ("sdpa", "sdpa"))}  # fmt: skip
+    refs_by_key = {
+        key: {r["packing"]: r for r in rows if r["implementation"] == name and r.get("tokens_per_s")}
+        for name, key in (("flex_attention", "flex"), ("sdpa", "sdpa"))
+    }
     for row in rows:
         for key, refs in refs_by_key.items():
             ref = refs.get(row["packing"]) or refs.get("position_ids")
@@ -297,23 +329,49 @@ def markdown(rows: list[dict], header: list[str]) -> str:
     def number(value, spec):
         return "" if value is None else format(value, spec)
 
-    columns = ["config", "implementation", "packing", "tokens/s", "step ms", "peak GiB", "× flex tok/s", "× flex peak", "× sdpa tok/s",
-               "attention %", "copies %", "idle %", "note"]  # fmt: skip
+    columns = [
+        "config",
+        "implementation",
+        "packing",
+        "tokens/s",
+        "step ms",
+        "peak GiB",
+        "× flex tok/s",
+        "× flex peak",
+        "× sdpa tok/s",
+        "attention %",
+        "copies %",
+        "idle %",
+        "note",
+    ]
     lines = [*header, "", f"| {' | '.join(columns)} |", "|---" * len(columns) + "|"]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['config']} | {r['implementation']} | {r['packing']} | {r['error']} | | | | | | | | | {r['note']} |")
             continue
         p = r.get("profile", {})
-        cells = [number(r["tokens_per_s"], ",.0f"), number(r["step_ms"], ".1f"), number(r["peak_gib"], ".2f"),
-                 number(r.get("vs_flex_tokens"), ".2f"), number(r.get("vs_flex_peak"), ".2f"), number(r.get("vs_sdpa_tokens"), ".2f"),
-                 number(p.get("attention_pct"), ".0f"), number(p.get("copies_pct"), ".0f"), number(p.get("idle_pct"), ".0f")]  # fmt: skip
+        cells = [
+            number(r["tokens_per_s"], ",.0f"),
+            number(r["step_ms"], ".1f"),
+            number(r["peak_gib"], ".2f"),
+            number(r.get("vs_flex_tokens"), ".2f"),
+            number(r.get("vs_flex_peak"), ".2f"),
+            number(r.get("vs_sdpa_tokens"), ".2f"),
+            number(p.get("attention_pct"), ".0f"),
+            number(p.get("copies_pct"), ".0f"),
+            number(p.get("idle_pct"), ".0f"),
+        ]
         lines.append(f"| {r['config']} | {r['implementation']} | {r['packing']} | {' | '.join(cells)} | {r['note']} |")
     lines += ["", f"Profile rule: {RULE}"]
     for r in rows:
         if r.get("profile"):
-            lines += ["", f"Top kernels, {r['config']} / {r['implementation']} / {r['packing']} (kernels busy {r['profile']['busy_ms']:.1f} ms of a {r['step_ms']:.1f} ms step):",
-                      "", "| ms | calls | % of step | category | kernel |", "|---|---|---|---|---|"]  # fmt: skip
+            lines += [
+                "",
+                f"Top kernels, {r['config']} / {r['implementation']} / {r['packing']} (kernels busy {r['profile']['busy_ms']:.1f} ms of a {r['step_ms']:.1f} ms step):",
+                "",
+                "| ms | calls | % of step | category | kernel |",
+                "|---|---|---|---|---|",
+            ]
             lines += [
                 f"| {k['ms']:.2f} | {k['calls']} | {k['pct']:.1f} | {k['category']} | `{k['name']}` |" for k in r["profile"]["top_kernels"]
             ]
@@ -324,9 +382,11 @@ def describe(setup: Setup) -> str:
     shape = setup.shape
     lead = f", one of {setup.lead_document:,} in every step" if setup.lead_document else ""
     extra = f", window {shape.window} on even layers, sinks, {shape.experts} experts (all used)" if setup.family == "gpt_oss" else ""
-    return (f"{setup.name}: {setup.family}, {shape.layers} layers, hidden {shape.hidden}, {shape.heads}/{shape.kv_heads} heads x {shape.head_dim}, "
-            f"MLP {shape.intermediate}{extra}, vocab {setup.vocab}; {setup.tokens:,} tokens per step in one row, documents of "
-            f"{setup.doc_range[0]}-{setup.doc_range[1]}{lead}.")  # fmt: skip
+    return (
+        f"{setup.name}: {setup.family}, {shape.layers} layers, hidden {shape.hidden}, {shape.heads}/{shape.kv_heads} heads x {shape.head_dim}, "
+        f"MLP {shape.intermediate}{extra}, vocab {setup.vocab}; {setup.tokens:,} tokens per step in one row, documents of "
+        f"{setup.doc_range[0]}-{setup.doc_range[1]}{lead}."
+    )
 
 
 def environment(args, device: str) -> list[str]:
@@ -339,10 +399,16 @@ def environment(args, device: str) -> list[str]:
     where = torch.cuda.get_device_name() if device == "cuda" else f"CPU ({platform.processor() or platform.machine()})"
     lines = [
         f"{where}; torch {torch.__version__}, transformers {transformers.__version__}, cuDNN {torch.backends.cudnn.version()}, frontend {frontend}.",
-        (f"bf16 weights and AdamW states (no autocast); {args.warmup} untimed warm-up step(s) (flex_attention's compile among them), "
-         + ("then one untimed forward over copies of each timed batch (graphs and recompiles for their shapes), " if args.warm_shapes else "")
-         + f"{args.steps} timed steps, same weights and batches for every row; tokens/s counts real tokens (no padding)."),
-    ]  # fmt: skip
+        (
+            f"bf16 weights and AdamW states (no autocast); {args.warmup} untimed warm-up step(s) (flex_attention's compile among them), "
+            + (
+                "then one untimed forward over copies of each timed batch (graphs and recompiles for their shapes), "
+                if args.warm_shapes
+                else ""
+            )
+            + f"{args.steps} timed steps, same weights and batches for every row; tokens/s counts real tokens (no padding)."
+        ),
+    ]
     if device != "cuda":
         lines.append(
             "CPU run: 'cudnn' runs on cudnn_attention's exact PyTorch fallback, not on cuDNN, and leaf aten operators stand in "
@@ -359,8 +425,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--steps", type=int, default=None, help="timed steps per row (default 10; --quick: 2)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps first, with any compile (default 3; --quick: 1)")
     parser.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True, help="profile one more step per row")
-    parser.add_argument("--warm-shapes", action=argparse.BooleanOptionalAction, default=True,
-                        help="one untimed forward over copies of the timed batches first: one-time per-shape work (graph builds) out of the timing")  # fmt: skip
+    parser.add_argument(
+        "--warm-shapes",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="one untimed forward over copies of the timed batches first: one-time per-shape work (graph builds) out of the timing",
+    )
     parser.add_argument("--quick", action="store_true", help="tiny models, 2 steps, 256 tokens: the plumbing, on a CPU in seconds")
     parser.add_argument("--out", type=Path, default=None, help="folder for end_to_end.md/.json (default benchmarks/results; --quick: none)")
     args = parser.parse_args(argv)
@@ -381,8 +451,18 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for impl in args.impls:
             for packing in ("position_ids", "flash kwargs") if impl in BOTH_PACKINGS else ("position_ids",):
                 config_rows.append(
-                    run_one(model, initial, setup, impl, packing, batches, warmup=args.warmup, profile=args.profile, device=device,
-                            shapes_first=args.warm_shapes)  # fmt: skip
+                    run_one(
+                        model,
+                        initial,
+                        setup,
+                        impl,
+                        packing,
+                        batches,
+                        warmup=args.warmup,
+                        profile=args.profile,
+                        device=device,
+                        shapes_first=args.warm_shapes,
+                    )
                 )
                 print(json.dumps({k: v for k, v in config_rows[-1].items() if k not in ("profile", "cudnn_stats")}), flush=True)
         add_ratios(config_rows)
@@ -400,8 +480,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         (out / "end_to_end.md").write_text(table + "\n")
-        payload = {"environment": header, "rule": RULE, "setups": {n: dataclasses.asdict(s) for n, s in setups.items()},
-                   "quick": args.quick, "rows": rows}  # fmt: skip
+        payload = {
+            "environment": header,
+            "rule": RULE,
+            "setups": {n: dataclasses.asdict(s) for n, s in setups.items()},
+            "quick": args.quick,
+            "rows": rows,
+        }
         (out / "end_to_end.json").write_text(json.dumps(payload, indent=1, default=str))
     return rows
 

@@ -14,17 +14,25 @@ if not torch.cuda.is_available():
     raise SystemExit("benchmarks/engine_plans.py times cuDNN plans and needs a CUDA GPU; none is visible here.")
 
 import cudnn  # noqa: E402
+
 from attention_kernels import cuda_time_ms  # noqa: E402  (this folder is on sys.path when the script runs)
 
 
 def _new_graph(handle):
-    return cudnn.pygraph(handle=handle, io_data_type=cudnn.data_type.BFLOAT16, intermediate_data_type=cudnn.data_type.FLOAT,
-                         compute_data_type=cudnn.data_type.FLOAT)  # fmt: skip
+    return cudnn.pygraph(
+        handle=handle,
+        io_data_type=cudnn.data_type.BFLOAT16,
+        intermediate_data_type=cudnn.data_type.FLOAT,
+        compute_data_type=cudnn.data_type.FLOAT,
+    )
 
 
 def _time_every_plan(g, pack: dict, handle, title: str, flops: float) -> None:
     """Build every plan heuristics A and B and the fallback list offer for ``g`` and time each."""
-    g.validate(); g.build_operation_graph(); g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.B, cudnn.heur_mode.FALLBACK]); g.check_support()  # fmt: skip
+    g.validate()
+    g.build_operation_graph()
+    g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.B, cudnn.heur_mode.FALLBACK])
+    g.check_support()
     g.build_plans(cudnn.build_plan_policy.ALL)
     n = g.get_execution_plan_count()
     ws = torch.empty(max(g.get_workspace_size_plan_at_index(i) for i in range(n)), device="cuda", dtype=torch.uint8)

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import torch
+
 from cudnn_attention.recipes.common.gradients import recipe_batches, recipe_gradients, relative_error
 
 __all__ = ["main", "measure", "report"]
@@ -63,25 +64,34 @@ def measure(*, family: str, size: str, tokens: int, packs: int, device: str) -> 
                 per_parameter.setdefault(name, []).append(relative_error(found[name], want))
     eager_bf16 = errors["eager"]
     return {
-        "family": family, "size": size, "tokens": tokens, "packs": packs,
+        "family": family,
+        "size": size,
+        "tokens": tokens,
+        "packs": packs,
         "implementations": {name: _summary(values, eager_bf16) for name, values in errors.items()},
         "skipped": skipped,
         "errors": errors,
-    }  # fmt: skip
+    }
 
 
 def report(results: list[dict], *, header: str) -> str:
-    explained = ("Relative error of each parameter's whole gradient against eager in fp32 (same weights and packs), over every "
-                 "(pack, parameter); the ratio divides by eager bf16's error on the same parameter and pack.")  # fmt: skip
-    columns = ("| model | packs x tokens | implementation | median error | max error | median ratio to eager bf16 | max ratio | "
-               "attention projections: median error | worst parameter |")  # fmt: skip
+    explained = (
+        "Relative error of each parameter's whole gradient against eager in fp32 (same weights and packs), over every "
+        "(pack, parameter); the ratio divides by eager bf16's error on the same parameter and pack."
+    )
+    columns = (
+        "| model | packs x tokens | implementation | median error | max error | median ratio to eager bf16 | max ratio | "
+        "attention projections: median error | worst parameter |"
+    )
     lines = ["# Gradient accuracy on the recipes' packed batches", "", header, "", explained, "", columns, "|---|" * 1 + "---|" * 8]
     for result in results:
         where = f"{result['packs']} x {result['tokens']}"
         for name, s in result["implementations"].items():
             attention = "-" if s["attention_median_error"] is None else f"{s['attention_median_error']:.3g}"
-            lines.append(f"| {result['family']} | {where} | {name} | {s['median_error']:.3g} | {s['max_error']:.3g} | "
-                         f"{s['median_ratio_to_eager_bf16']:.2f} | {s['max_ratio_to_eager_bf16']:.2f} | {attention} | {s['worst_parameter']} |")  # fmt: skip
+            lines.append(
+                f"| {result['family']} | {where} | {name} | {s['median_error']:.3g} | {s['max_error']:.3g} | "
+                f"{s['median_ratio_to_eager_bf16']:.2f} | {s['max_ratio_to_eager_bf16']:.2f} | {attention} | {s['worst_parameter']} |"
+            )
         for name, reason in result["skipped"].items():
             lines.append(f"| {result['family']} | {where} | {name} | {reason} | | | | | |")
     return "\n".join(lines) + "\n"
@@ -106,8 +116,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     results = [measure(family=family, size=size, tokens=tokens, packs=packs, device=device) for family in args.families]
     stats = cudnn_attention.stats()
     where = torch.cuda.get_device_name() if device == "cuda" else "CPU"
-    header = (f"Measured on {where}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}, in {time.perf_counter() - start:.0f} s; "
-              f"cudnn served by cuDNN {stats['cudnn_backward']} backward calls, fallback {stats['fallback_backward'] or 'none'}.")  # fmt: skip
+    header = (
+        f"Measured on {where}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}, in {time.perf_counter() - start:.0f} s; "
+        f"cudnn served by cuDNN {stats['cudnn_backward']} backward calls, fallback {stats['fallback_backward'] or 'none'}."
+    )
     text = report(results, header=header)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "gradient_accuracy.md").write_text(text)

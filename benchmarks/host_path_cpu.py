@@ -17,12 +17,11 @@ import json
 
 import torch
 
+from attention_kernels import host_us_in_turns
 from cudnn_attention import cudnn_ops, launch
 from cudnn_attention.call import NO_LENGTHS, AttentionCall
-from cudnn_attention.plan import Plan
 from cudnn_attention.masking import make_mask_spec
-
-from attention_kernels import host_us_in_turns
+from cudnn_attention.plan import Plan
 
 
 class _StandInGraph:

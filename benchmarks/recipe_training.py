@@ -70,8 +70,15 @@ def cases(suite: str, *, quick: bool = False, steps: int | None = None) -> list[
         found = [
             _trainer("sliding_window", "train_sliding_window", *small, "--compare", "eager", "sdpa", "flex_attention"),
             _trainer("sinks", "train_sinks", *small, "--compare", "eager", "flex_attention", "flash_attention_4"),  # gpt-oss has no sdpa
-            _trainer("lightning", "train_lightning", "--model.size=small", "--model.tokens_per_step=4096", "--trainer.max_steps=200",
-                     "--trainer.enable_progress_bar=false", "--compare=[eager,sdpa]"),  # fmt: skip
+            _trainer(
+                "lightning",
+                "train_lightning",
+                "--model.size=small",
+                "--model.tokens_per_step=4096",
+                "--trainer.max_steps=200",
+                "--trainer.enable_progress_bar=false",
+                "--compare=[eager,sdpa]",
+            ),
         ]
     elif suite == "speed":
         short = ("--size", "small", "--max_steps", "60")
@@ -95,8 +102,16 @@ def cases(suite: str, *, quick: bool = False, steps: int | None = None) -> list[
                 _trainer(f"{recipe}_fsdp", recipe, *small, launch="fsdp", gpus=2),
             ]
         found += [
-            _trainer("lightning_fsdp", "train_lightning", "--model.size=small", "--trainer.max_steps=40", "--trainer.devices=2",
-                     "--trainer.strategy=fsdp", "--trainer.enable_progress_bar=false", gpus=2),  # fmt: skip
+            _trainer(
+                "lightning_fsdp",
+                "train_lightning",
+                "--model.size=small",
+                "--trainer.max_steps=40",
+                "--trainer.devices=2",
+                "--trainer.strategy=fsdp",
+                "--trainer.enable_progress_bar=false",
+                gpus=2,
+            ),
         ]
     else:
         raise ValueError(f"unknown suite {suite!r}; suites: loss, speed, scaling")
@@ -135,8 +150,15 @@ def command(case: Case, output_dir: Path) -> list[str]:
     if case.launch == "ddp":
         launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(case.gpus)]
     elif case.launch == "fsdp":
-        launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "recipes" / "accelerate_fsdp.yaml"),
-                    "--num_processes", str(case.gpus)]  # fmt: skip
+        launcher = [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--config_file",
+            str(ROOT / "recipes" / "accelerate_fsdp.yaml"),
+            "--num_processes",
+            str(case.gpus),
+        ]
     return [*launcher, script, *case.args, *out]
 
 
@@ -157,7 +179,9 @@ def run_case(case: Case, out: Path, *, timeout: float) -> dict:
     start = time.perf_counter()
     with log.open("w") as sink:
         try:
-            rc = subprocess.run(argv, cwd=ROOT, env={**os.environ, **case.env}, stdout=sink, stderr=subprocess.STDOUT, timeout=timeout).returncode
+            rc = subprocess.run(
+                argv, cwd=ROOT, env={**os.environ, **case.env}, stdout=sink, stderr=subprocess.STDOUT, timeout=timeout
+            ).returncode
         except subprocess.TimeoutExpired:
             rc = "timeout"
     seconds = time.perf_counter() - start
@@ -223,15 +247,35 @@ def _implementation_cells(record: dict) -> list[list]:
         speedup = runs[primary]["tokens_per_s"] / run["tokens_per_s"] if run["tokens_per_s"] else None
         distance = _distances(metrics, name)
         distance_text = "reference" if name == "eager" else "-" if distance is None else f"{distance[0]:.3g} / {distance[1]:.3g}"
-        rows.append([_label(record), name, run["steps"], _f(run["tokens_per_s"], ",.0f"), f"{_f(speedup, '.2f')}x", _mfu(run),
-                     _f(run["peak_memory_gib"], ".2f"), distance_text, run["served_by"]])  # fmt: skip
+        rows.append(
+            [
+                _label(record),
+                name,
+                run["steps"],
+                _f(run["tokens_per_s"], ",.0f"),
+                f"{_f(speedup, '.2f')}x",
+                _mfu(run),
+                _f(run["peak_memory_gib"], ".2f"),
+                distance_text,
+                run["served_by"],
+            ]
+        )
     return rows
 
 
 def implementation_rows(records: list[dict]) -> list[str]:
     """One Markdown row per (case, implementation): tokens/s, speedup of cudnn, MFU, peak memory, loss distance from eager."""
-    columns = ["case", "implementation", "steps", "tokens/s", "cudnn speedup", "MFU", "peak GiB",
-               "loss diff from eager: max / second-half mean", "attention served by"]  # fmt: skip
+    columns = [
+        "case",
+        "implementation",
+        "steps",
+        "tokens/s",
+        "cudnn speedup",
+        "MFU",
+        "peak GiB",
+        "loss diff from eager: max / second-half mean",
+        "attention served by",
+    ]
     failed = lambda r: [_label(r), f"failed (rc {r['rc']})", *[""] * 6, f"see logs/{_label(r)}.log"]
     return _table(columns, records, _implementation_cells, failed)
 
@@ -268,9 +312,11 @@ def loss_verdicts(records: list[dict]) -> list[str]:
             # Paired by seed: a kernel that is really further from eager is further in most seeds, not in a mean that one
             # spike can carry.
             nearer = "; ".join(
-                f"cudnn at most {name}'s in " + " and ".join(f"{sum(c[i] <= o[i] for c, o in zip(per_seed['cudnn'], runs))}/{len(runs)}" for i in (0, 1))
-                for name, runs in per_seed.items() if name != "cudnn"
-            )  # fmt: skip
+                f"cudnn at most {name}'s in "
+                + " and ".join(f"{sum(c[i] <= o[i] for c, o in zip(per_seed['cudnn'], runs))}/{len(runs)}" for i in (0, 1))
+                for name, runs in per_seed.items()
+                if name != "cudnn"
+            )
             seeds_text = f" (means over {len(seeds)} seeds; second-half means per seed: {listed}; seeds with {nearer}, max and second half)"
         lines.append(
             f"- {case}: cudnn {mean['cudnn'][0]:.3g} / {mean['cudnn'][1]:.3g} vs {others_text}{seeds_text}: "
@@ -294,8 +340,11 @@ def plot_seed_distances(records: list[dict], out: Path) -> list[Path]:
             continue
         figure, axis = plt.subplots(figsize=(8, 4))
         for index, name in enumerate(name for name in seeds[0] if name != "eager"):
-            curves = [[abs(x - y) for x, y in zip(runs[name]["run"]["losses"], runs["eager"]["run"]["losses"], strict=True)]
-                      for runs in seeds if runs.get(name, {}).get("run")]  # fmt: skip
+            curves = [
+                [abs(x - y) for x, y in zip(runs[name]["run"]["losses"], runs["eager"]["run"]["losses"], strict=True)]
+                for runs in seeds
+                if runs.get(name, {}).get("run")
+            ]
             if not curves:
                 continue
             color = IMPLEMENTATION_COLORS.get(name, f"C{5 + index}")  # the recipes' colour for each implementation
@@ -322,8 +371,18 @@ def scaling_rows(records: list[dict]) -> list[str]:
     for record in records:
         if record["gpus"] == 1 and "metrics" in record:
             single[record["metrics"]["recipe"]] = record["metrics"]["runs"]["cudnn"]["tokens_per_s"]
-    columns = ["case", "launch", "GPUs", "distributed", "tokens/s (all GPUs)", "tokens/s per GPU", "per-GPU scaling vs 1 GPU", "MFU",
-               "peak GiB (rank 0)", "final loss"]  # fmt: skip
+    columns = [
+        "case",
+        "launch",
+        "GPUs",
+        "distributed",
+        "tokens/s (all GPUs)",
+        "tokens/s per GPU",
+        "per-GPU scaling vs 1 GPU",
+        "MFU",
+        "peak GiB (rank 0)",
+        "final loss",
+    ]
 
     def cells(record: dict) -> list[list]:
         metrics = record["metrics"]
@@ -331,15 +390,29 @@ def scaling_rows(records: list[dict]) -> list[str]:
         base = single.get(metrics["recipe"])
         per_gpu = run["tokens_per_s_per_device"]
         scaling = per_gpu / base if base and per_gpu and record["gpus"] > 1 else None
-        return [[_label(record), record["launch"], metrics["world_size"], run["run"]["distributed"], _f(run["tokens_per_s"], ",.0f"),
-                 _f(per_gpu, ",.0f"), _f(scaling, ".2f"), _mfu(run), _f(run["peak_memory_gib"], ".2f"), _f(run["final_loss"], ".4f")]]  # fmt: skip
+        return [
+            [
+                _label(record),
+                record["launch"],
+                metrics["world_size"],
+                run["run"]["distributed"],
+                _f(run["tokens_per_s"], ",.0f"),
+                _f(per_gpu, ",.0f"),
+                _f(scaling, ".2f"),
+                _mfu(run),
+                _f(run["peak_memory_gib"], ".2f"),
+                _f(run["final_loss"], ".4f"),
+            ]
+        ]
 
     return _table(columns, records, cells, lambda r: [_label(r), r["launch"], r["gpus"], f"failed (rc {r['rc']})"])
 
 
 def report(suite: str, records: list[dict], *, header: str) -> str:
     lines = [f"# Recipes, suite `{suite}`", "", header, ""]
-    lines += ["Commands (from the project root):", ""] + [f"- `{_label(r)}`: `{r['command']}` ({r['wall_s']:.0f} s)" for r in records] + [""]
+    lines += (
+        ["Commands (from the project root):", ""] + [f"- `{_label(r)}`: `{r['command']}` ({r['wall_s']:.0f} s)" for r in records] + [""]
+    )
     if suite == "scaling":
         lines += scaling_rows(records)
     else:
@@ -347,8 +420,12 @@ def report(suite: str, records: list[dict], *, header: str) -> str:
         # The speed suite's few steps on one seed are no verdict on the curves: the loss suite's seeds are.
         verdicts = loss_verdicts(records) if suite == "loss" else []
         if verdicts:
-            lines += ["", "Loss-curve distance from eager, max / second-half mean abs difference of per-step losses (same seed, weights "
-                      "and batches):", ""]
+            lines += [
+                "",
+                "Loss-curve distance from eager, max / second-half mean abs difference of per-step losses (same seed, weights "
+                "and batches):",
+                "",
+            ]
             lines += verdicts
     return "\n".join(lines) + "\n"
 
@@ -388,7 +465,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     if not args.quick and not torch.cuda.is_available():
         # The suites train the small and long presets for tens to hundreds of steps: days on a CPU, where only the plumbing can run.
-        parser.error(f"--suite {args.suite} trains the GPU presets and this machine has no GPU: on a CPU pass --quick (tiny preset, 3 steps)")
+        parser.error(
+            f"--suite {args.suite} trains the GPU presets and this machine has no GPU: on a CPU pass --quick (tiny preset, 3 steps)"
+        )
     if any(case.gpus > max(1, torch.cuda.device_count()) for case in selected):
         parser.error(f"suite {args.suite!r} needs {max(case.gpus for case in selected)} GPUs; this machine has {torch.cuda.device_count()}")
     out = args.out / f"recipes_{args.suite}"

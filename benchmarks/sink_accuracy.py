@@ -81,8 +81,9 @@ def run_cudnn(layout, window, q, k, v, sinks, grad, sink_forward):
         cu = _cu()
         out = cudnn_attention.varlen_attention(q, k, v, cu, cu, max(DOCS), max(DOCS), causal=True, window_size=window, sinks=sinks)
     else:
-        out = cudnn_attention.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True, window_size=window,
-                                        sinks=sinks).transpose(1, 2)  # fmt: skip
+        out = cudnn_attention.attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True, window_size=window, sinks=sinks
+        ).transpose(1, 2)
     out.backward(grad)
     stats = cudnn_attention.stats()
     assert stats["cudnn_forward"] and stats["cudnn_backward"] and not stats["fallback_forward"], stats
@@ -93,8 +94,18 @@ def run_fa4(fa4, layout, window, q, k, v, sinks, grad):
     window = tuple(None if side < 0 else side for side in window)  # FA4 spells an unbounded side None, not -1
     if layout == "packed":
         cu = _cu()
-        out, _ = fa4.flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(DOCS), max_seqlen_k=max(DOCS),
-                                            causal=True, window_size=window, learnable_sink=sinks)  # fmt: skip
+        out, _ = fa4.flash_attn_varlen_func(
+            q,
+            k,
+            v,
+            cu_seqlens_q=cu,
+            cu_seqlens_k=cu,
+            max_seqlen_q=max(DOCS),
+            max_seqlen_k=max(DOCS),
+            causal=True,
+            window_size=window,
+            learnable_sink=sinks,
+        )
     else:
         out, _ = fa4.flash_attn_func(q, k, v, causal=True, window_size=window, learnable_sink=sinks)
     out.backward(grad)
@@ -139,8 +150,9 @@ def run_reference(layout, window, q, k, v, sinks, grad):
         cu = _cu()
         out = reference_varlen_attention(q, k, v, cu, cu, causal=True, window_size=window, sinks=sinks64)
     else:
-        out = reference_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True, window_size=window,
-                                  sinks=sinks64).transpose(1, 2)  # fmt: skip
+        out = reference_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True, window_size=window, sinks=sinks64
+        ).transpose(1, 2)
     out.backward(grad.double())
     return out.detach(), sinks64.grad
 
@@ -195,16 +207,21 @@ def main(argv=None):
                 row["fwd+bwd ms"] = _milliseconds(lambda: (_fresh(q, k, v, sinks), impls[name](layout, window, q, k, v, sinks, grad)))
             rows.append(row)
             print(json.dumps(row), flush=True)
-    lines = [f"# Sink accuracy at gpt-oss's attention shape ({versions})", "",
-             f"max |error| against float64 over {args.seeds} seeds; x eager = a multiple of transformers' gpt-oss eager attention"
-             " in bf16", "",
-             "| layout | mask | implementation | out | out x eager | dSink | dSink x eager |" + (" fwd+bwd ms |" if args.time else ""),
-             "|---|---|---|---|---|---|---|" + ("---|" if args.time else "")]  # fmt: skip
+    lines = [
+        f"# Sink accuracy at gpt-oss's attention shape ({versions})",
+        "",
+        f"max |error| against float64 over {args.seeds} seeds; x eager = a multiple of transformers' gpt-oss eager attention in bf16",
+        "",
+        "| layout | mask | implementation | out | out x eager | dSink | dSink x eager |" + (" fwd+bwd ms |" if args.time else ""),
+        "|---|---|---|---|---|---|---|" + ("---|" if args.time else ""),
+    ]
     for r in rows:
         timing = f" {r['fwd+bwd ms']:.3f} |" if "fwd+bwd ms" in r else (" |" if args.time else "")
-        lines.append(f"| {r['layout']} | {r['mask']} | {r['implementation']} | {r['out']:.4g} | {r['out x eager']:.2f} | "
-                     f"{r['dsinks']:.4g} | "
-                     f"{r['dsinks x eager']:.2f} |{timing}")  # fmt: skip
+        lines.append(
+            f"| {r['layout']} | {r['mask']} | {r['implementation']} | {r['out']:.4g} | {r['out x eager']:.2f} | "
+            f"{r['dsinks']:.4g} | "
+            f"{r['dsinks x eager']:.2f} |{timing}"
+        )
     if fa4 is None:
         lines += ["", "flash_attention_4: not installed here (flash_attn.cute did not import)."]
     report = "\n".join(lines)

@@ -15,9 +15,10 @@ import argparse
 import sys
 import warnings
 
-import cudnn_attention
 import torch
 import torch.nn.functional as F
+
+import cudnn_attention
 from cudnn_attention.recipes.common.errors import OneLineArgumentParser
 from cudnn_attention.recipes.common.reporting import fallback_reasons
 

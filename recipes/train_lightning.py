@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
 from cudnn_attention.recipes.common.compare import run_with_compare
 from cudnn_attention.recipes.common.config import (
     LEARNING_RATE,
@@ -56,11 +57,12 @@ from cudnn_attention.recipes.common.steps import StepRecorder
 from cudnn_attention.recipes.common.tokenizer import load_tokenizer
 
 try:
-    from cudnn_attention.integrations.lightning import CudnnAttention
     from lightning.pytorch import Callback, LightningModule
     from lightning.pytorch.callbacks import TQDMProgressBar
     from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
     from lightning.pytorch.strategies import FSDPStrategy
+
+    from cudnn_attention.integrations.lightning import CudnnAttention
 except ModuleNotFoundError as error:
     if __name__ != "__main__" or missing_extra(error) is None:
         raise
@@ -83,8 +85,10 @@ _LIGHTNING_NAMES = {"output_dir": "trainer.default_root_dir", "max_steps": "trai
 class LightningOptions(RecipeOptions):
     """:class:`RecipeOptions` plus what the Trainer recipes take from ``TrainingArguments`` (``--learning_rate``, ``--seed``)."""
 
-    lr: float = field(default=LEARNING_RATE, metadata={"help": "peak learning rate (AdamW, cosine schedule after a linear warmup "
-                                                               "over the first tenth of the steps)"})  # fmt: skip
+    lr: float = field(
+        default=LEARNING_RATE,
+        metadata={"help": "peak learning rate (AdamW, cosine schedule after a linear warmup over the first tenth of the steps)"},
+    )
     seed: int = field(default=0, metadata={"help": "seed of the model init and the batch order (the same in compare runs)"})
 
 
@@ -122,8 +126,15 @@ class PackedCausalLM(LightningModule):
         """The packs this module trains on (built on first use)."""
         if self._dataset is None:
             o = self.options
-            self._dataset = build_dataset(tokenizer=self.tokenizer, dataset=o.dataset, text_field=o.text_field, tokens_per_step=o.tokens_per_step,
-                                          min_doc_tokens=o.min_doc_tokens, max_doc_tokens=o.max_doc_tokens, seed=o.seed)  # fmt: skip
+            self._dataset = build_dataset(
+                tokenizer=self.tokenizer,
+                dataset=o.dataset,
+                text_field=o.text_field,
+                tokens_per_step=o.tokens_per_step,
+                min_doc_tokens=o.min_doc_tokens,
+                max_doc_tokens=o.max_doc_tokens,
+                seed=o.seed,
+            )
         return self._dataset
 
     def configure_model(self) -> None:
@@ -132,11 +143,16 @@ class PackedCausalLM(LightningModule):
         o = self.options
         shape = None if o.checkpoint else model_shape(family=o.family, size=o.size)
         self.hf = build_model(
-            attn_implementation=o.attn_implementation, family=o.family, shape=shape, vocab_size=self.tokenizer.vocab_size,
-            max_positions=max(4096, o.max_doc_tokens), checkpoint=o.checkpoint, tokenizer=self.tokenizer,
+            attn_implementation=o.attn_implementation,
+            family=o.family,
+            shape=shape,
+            vocab_size=self.tokenizer.vocab_size,
+            max_positions=max(4096, o.max_doc_tokens),
+            checkpoint=o.checkpoint,
+            tokenizer=self.tokenizer,
             dtype=torch.get_default_dtype(),  # bf16 under precision="bf16-true"
             seed=o.seed,
-        )  # fmt: skip
+        )
         self.step_flops = step_flops_of(self.hf)
 
     def configure_callbacks(self) -> list[Callback]:
@@ -148,7 +164,9 @@ class PackedCausalLM(LightningModule):
     def train_dataloader(self):
         # One pack per step; Lightning swaps in a DistributedSampler under DDP/FSDP (each rank its own packs).
         generator = torch.Generator().manual_seed(self.options.seed)
-        return torch.utils.data.DataLoader(self.packed_dataset(), batch_size=1, shuffle=True, generator=generator, collate_fn=PackedCollator())
+        return torch.utils.data.DataLoader(
+            self.packed_dataset(), batch_size=1, shuffle=True, generator=generator, collate_fn=PackedCollator()
+        )
 
     def training_step(self, batch, batch_idx):
         self.step_counts = batch.pop(STATS_KEY)
@@ -182,8 +200,12 @@ class RecipeReport(Callback):
         self.result: RunResult | None = None
 
     def on_train_start(self, trainer, pl_module) -> None:
-        self.recorder = StepRecorder(step_flops=pl_module.step_flops, device=trainer.strategy.root_device, planned_steps=trainer.max_steps,
-                                     world_size=trainer.world_size)  # fmt: skip
+        self.recorder = StepRecorder(
+            step_flops=pl_module.step_flops,
+            device=trainer.strategy.root_device,
+            planned_steps=trainer.max_steps,
+            world_size=trainer.world_size,
+        )
         self._steps = trainer.global_step
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
@@ -202,9 +224,11 @@ class RecipeReport(Callback):
             pl_module.log("mfu", live["mfu"], prog_bar=True)
 
     def on_train_end(self, trainer, pl_module) -> None:
-        self.result = self.recorder.result(attn_implementation=pl_module.options.attn_implementation,
-                                           gather=lambda t: pl_module.all_gather(t).reshape(-1, *t.shape),
-                                           distributed=type(trainer.strategy).__name__)  # fmt: skip
+        self.result = self.recorder.result(
+            attn_implementation=pl_module.options.attn_implementation,
+            gather=lambda t: pl_module.all_gather(t).reshape(-1, *t.shape),
+            distributed=type(trainer.strategy).__name__,
+        )
 
 
 class RecipeProgressBar(TQDMProgressBar):
@@ -227,8 +251,12 @@ class RecipeCLI(LightningCLI):
     and the flags every recipe takes (``--compare``, ``--overwrite_output_dir``)."""
 
     def add_arguments_to_parser(self, parser) -> None:
-        parser.add_argument("--compare", type=list[Reference] | Reference, default=[],
-                            help=f"{help_of(RunOptions, 'compare')}: --compare=eager, --compare=[eager,sdpa]")  # fmt: skip
+        parser.add_argument(
+            "--compare",
+            type=list[Reference] | Reference,
+            default=[],
+            help=f"{help_of(RunOptions, 'compare')}: --compare=eager, --compare=[eager,sdpa]",
+        )
         # nargs="?": a bare --overwrite_output_dir means true, as in the Trainer recipes (--overwrite_output_dir=false still works).
         parser.add_argument(
             "--overwrite_output_dir", type=bool, nargs="?", const=True, default=False, help=help_of(RunOptions, "overwrite_output_dir")
@@ -272,9 +300,14 @@ class RecipeArgumentParser(LightningArgumentParser):
 
 def _cli(argv: list[str]) -> RecipeCLI:
     defaults = {
-        "devices": 1, "logger": False, "enable_checkpointing": False, "enable_model_summary": False, "gradient_clip_val": MAX_GRAD_NORM,
-        "num_sanity_val_steps": 0, "log_every_n_steps": 1,
-    }  # fmt: skip
+        "devices": 1,
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_model_summary": False,
+        "gradient_clip_val": MAX_GRAD_NORM,
+        "num_sanity_val_steps": 0,
+        "log_every_n_steps": 1,
+    }
     # LightningCLI warns when it gets args= while sys.argv holds arguments too; here args= is the command line (plus the
     # comparison's override), so hide sys.argv while it parses. Restored before fit: DDP's launcher re-runs sys.argv.
     script_argv, sys.argv = sys.argv, sys.argv[:1]
@@ -310,22 +343,45 @@ def _main(argv: list[str]) -> dict:
         packs = first.model.packed_dataset().packs
         if trainer.is_global_zero:
             root.mkdir(parents=True, exist_ok=True)
-            announce_run(recipe=RECIPE, options=options, implementation=primary, device=device, steps=trainer.max_steps, packs=packs,
-                         packs_per_step=trainer.accumulate_grad_batches, world_size=trainer.world_size)  # one pack per batch
+            announce_run(
+                recipe=RECIPE,
+                options=options,
+                implementation=primary,
+                device=device,
+                steps=trainer.max_steps,
+                packs=packs,
+                packs_per_step=trainer.accumulate_grad_batches,
+                world_size=trainer.world_size,
+            )  # one pack per batch
 
         def run_once(implementation: str) -> RunResult:
             # run_with_compare runs each implementation once, the primary first: the CLI already parsed serves it.
-            cli = first if implementation == primary else _cli([*argv, f"--model.attn_implementation={implementation}",
-                                                                f"--trainer.default_root_dir={root}"])  # fmt: skip
+            cli = (
+                first
+                if implementation == primary
+                else _cli([*argv, f"--model.attn_implementation={implementation}", f"--trainer.default_root_dir={root}"])
+            )
             with fallback_announced(device=str(device)):
                 cli.trainer.fit(cli.model)
             return next(c for c in cli.trainer.callbacks if isinstance(c, RecipeReport)).result
 
         results = run_with_compare(run_once, primary=primary, references=references, device=str(device))
-        config = {**dataclasses.asdict(options), "steps": trainer.max_steps, "precision": str(trainer.precision), "compare": references,
-                  "output_dir": str(root)}  # fmt: skip
-        return finish(recipe=RECIPE, results=results, primary=primary, config=config, output_dir=root,
-                      title=f"{RECIPE}: {options.model_name()}", write=trainer.is_global_zero)  # fmt: skip
+        config = {
+            **dataclasses.asdict(options),
+            "steps": trainer.max_steps,
+            "precision": str(trainer.precision),
+            "compare": references,
+            "output_dir": str(root),
+        }
+        return finish(
+            recipe=RECIPE,
+            results=results,
+            primary=primary,
+            config=config,
+            output_dir=root,
+            title=f"{RECIPE}: {options.model_name()}",
+            write=trainer.is_global_zero,
+        )
     finally:
         if trainer.is_global_zero:
             remove_empty_dirs(root, keep=first.keep)

@@ -1,5 +1,6 @@
 import pytest
 import torch
+
 from support.served_on_cpu import served_on_cpu  # noqa: F401 - a fixture, for every test module
 
 

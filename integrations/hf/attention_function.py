@@ -34,7 +34,9 @@ __all__ = ["cudnn_attention_forward"]
 _HALF = (torch.float16, torch.bfloat16)
 
 
-def cudnn_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None, softcap=None, **kwargs):
+def cudnn_attention_forward(
+    module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None, softcap=None, **kwargs
+):
     is_causal = kwargs.pop("is_causal", None)
     if is_causal is None:  # an explicit kwarg wins over the module (encoders, cross-attention)
         is_causal = getattr(module, "is_causal", True)
@@ -48,14 +50,43 @@ def cudnn_attention_forward(module, query, key, value, attention_mask, dropout=0
 
     reason = _inexpressible(attention_mask, dropout, softcap, kwargs)
     if reason is not None:
-        return _eager(module, query, key, value, attention_mask, reason, is_causal=is_causal, sliding_window=sliding_window,
-                      scaling=scaling, dropout=dropout, softcap=softcap, **kwargs)  # fmt: skip
+        return _eager(
+            module,
+            query,
+            key,
+            value,
+            attention_mask,
+            reason,
+            is_causal=is_causal,
+            sliding_window=sliding_window,
+            scaling=scaling,
+            dropout=dropout,
+            softcap=softcap,
+            **kwargs,
+        )
 
     options = dict(scale=scaling, causal=is_causal, sinks=sinks)
     if attention_mask is not None:
-        if sliding_window is not None and q_len > 1 and _window(sliding_window, is_causal, kv_len) != (-1, -1) and _may_have_gap(attention_mask):
-            return _eager(module, query, key, value, attention_mask, "a sliding window over a padding mask with a gap", is_causal=is_causal,
-                          sliding_window=sliding_window, scaling=scaling, dropout=dropout, softcap=softcap, **kwargs)  # fmt: skip
+        if (
+            sliding_window is not None
+            and q_len > 1
+            and _window(sliding_window, is_causal, kv_len) != (-1, -1)
+            and _may_have_gap(attention_mask)
+        ):
+            return _eager(
+                module,
+                query,
+                key,
+                value,
+                attention_mask,
+                "a sliding window over a padding mask with a gap",
+                is_causal=is_causal,
+                sliding_window=sliding_window,
+                scaling=scaling,
+                dropout=dropout,
+                softcap=softcap,
+                **kwargs,
+            )
         return _masked(query, key, value, attention_mask, sliding_window=sliding_window, **options), None
 
     if user_packing is not None:
@@ -79,15 +110,19 @@ def _check_mask(attention_mask, *, batch: int, heads: int, q_len: int, kv_len: i
     if attention_mask.dim() != 4:
         check_padding_mask(attention_mask, batch)
         if causal and attention_mask.shape[1] < q_len:
-            raise ValueError(f"attention_mask has {attention_mask.shape[1]} columns (keys), fewer than the {q_len} new tokens: a 2-D "
-                             "attention_mask needs one column per key, past and current, the new tokens' own included")  # fmt: skip
+            raise ValueError(
+                f"attention_mask has {attention_mask.shape[1]} columns (keys), fewer than the {q_len} new tokens: a 2-D "
+                "attention_mask needs one column per key, past and current, the new tokens' own included"
+            )
         return
     if attention_mask.dtype != torch.bool and not attention_mask.is_floating_point():
         raise TypeError(f"a 4-D attention_mask must be bool (True attends) or floating (added to the scores), got {attention_mask.dtype}")
     b, h, q, k = attention_mask.shape
     if b not in (1, batch) or h not in (1, heads) or q not in (1, q_len) or k != kv_len:
-        raise ValueError(f"a 4-D attention_mask must have shape (1 or {batch}, 1 or {heads}, 1 or {q_len}, {kv_len}) for these queries "
-                         f"and keys, got {tuple(attention_mask.shape)}")  # fmt: skip
+        raise ValueError(
+            f"a 4-D attention_mask must have shape (1 or {batch}, 1 or {heads}, 1 or {q_len}, {kv_len}) for these queries "
+            f"and keys, got {tuple(attention_mask.shape)}"
+        )
 
 
 def _to_compute_dtype(query, key, value):
@@ -204,8 +239,18 @@ def _padded(query, key, value, keep_BK, written, *, window, scale, causal, sinks
     q_c = _gather_tokens(query, order_q_BQ)
     k_c = _gather_tokens(key, order_kv_BK)
     v_c = _gather_tokens(value, order_kv_BK)
-    out_c = attention(q_c, k_c, v_c, scale=scale, causal=causal, bottom_right=True, window_size=window, sinks=sinks,
-                      seqlens_q=len_q_B, seqlens_kv=len_kv_B)  # fmt: skip
+    out_c = attention(
+        q_c,
+        k_c,
+        v_c,
+        scale=scale,
+        causal=causal,
+        bottom_right=True,
+        window_size=window,
+        sinks=sinks,
+        seqlens_q=len_q_B,
+        seqlens_kv=len_kv_B,
+    )
     # Back to original positions: a kept query is compact row (kept queries before it), others zero.
     rank_BQ = (keep_BQ.cumsum(dim=1) - 1).clamp_min(0)
     out_BQHD = _gather_tokens(out_c, rank_BQ).transpose(1, 2)
@@ -254,8 +299,10 @@ def _user_packing(kwargs, tokens_q: int, tokens_k: int, device):
         return None
     if cu_q is None or cu_k is None or max_q is None or max_k is None:
         missing = ", ".join(name for name, value in zip(_FLASH_KWARGS, (cu_q, cu_k, max_q, max_k)) if value is None)
-        raise ValueError(f"cu_seq_lens_q, cu_seq_lens_k, max_length_q and max_length_k go together (DataCollatorWithFlattening("
-                         f"return_flash_attn_kwargs=True) gives all four), got them without {missing}")  # fmt: skip
+        raise ValueError(
+            f"cu_seq_lens_q, cu_seq_lens_k, max_length_q and max_length_k go together (DataCollatorWithFlattening("
+            f"return_flash_attn_kwargs=True) gives all four), got them without {missing}"
+        )
     max_q, max_k = int(max_q), int(max_k)
     validation.check_cu_seqlens(cu_q, cu_k, max_q, max_k, device, total_q=tokens_q, total_kv=tokens_k, names=_FLASH_KWARGS)
     validation.check_prefix_sums(cu_q, cu_k, tokens_q, tokens_k, max_q, max_k, validate=False, cover_all=True, names=_FLASH_KWARGS)
@@ -316,8 +363,16 @@ def _eager(module, query, key, value, attention_mask, reason, *, is_causal, slid
                 cu = None if packing is None else packing[0][1]
             if cu is not None:
                 doc_ids_T = torch.searchsorted(cu[1:].long(), torch.arange(kv_len, device=query.device), right=True)
-        keep_4d = keep_mask_4d(batch=B, q_len=q_len, kv_len=kv_len, device=query.device, causal=is_causal, sliding_window=sliding_window,
-                               keep_BK=attention_mask, doc_ids_T=doc_ids_T)  # fmt: skip
+        keep_4d = keep_mask_4d(
+            batch=B,
+            q_len=q_len,
+            kv_len=kv_len,
+            device=query.device,
+            causal=is_causal,
+            sliding_window=sliding_window,
+            keep_BK=attention_mask,
+            doc_ids_T=doc_ids_T,
+        )
     if softcap is not None:
         kwargs["softcap"] = softcap
     needs_grad = _needs_grad(query, key, value, kwargs.get("s_aux"))

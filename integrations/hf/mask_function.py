@@ -100,18 +100,27 @@ def _check_covers_seen_keys(width: int, *, q_offset, q_length: int, kv_length: i
         return
     seen = q_offset + q_length
     if width < seen:
-        raise ValueError(f"attention_mask has {width} columns, but the keys number {seen} ({q_offset} cached + {q_length} new): "
-                         "a 2-D attention_mask needs one column per key, past and current")  # fmt: skip
+        raise ValueError(
+            f"attention_mask has {width} columns, but the keys number {seen} ({q_offset} cached + {q_length} new): "
+            "a 2-D attention_mask needs one column per key, past and current"
+        )
 
 
 def _sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask, *, use_vmap, **kwargs):
     from transformers.masking_utils import causal_mask_function, sdpa_mask
 
     return sdpa_mask(
-        batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset, kv_offset=kv_offset,
-        mask_function=mask_function or causal_mask_function, attention_mask=attention_mask, allow_is_causal_skip=False,
-        use_vmap=use_vmap, device=kwargs.get("device"),
-    )  # fmt: skip
+        batch_size=batch_size,
+        q_length=q_length,
+        kv_length=kv_length,
+        q_offset=q_offset,
+        kv_offset=kv_offset,
+        mask_function=mask_function or causal_mask_function,
+        attention_mask=attention_mask,
+        allow_is_causal_skip=False,
+        use_vmap=use_vmap,
+        device=kwargs.get("device"),
+    )
 
 
 def is_tracing() -> bool:

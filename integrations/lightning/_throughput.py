@@ -7,8 +7,8 @@ No Lightning import at module level: :class:`PeakFlopsMixin` is mixed into each 
 
 from __future__ import annotations
 
-from . import _compat
 from ..throughput import dense_bf16_peak_flops
+from . import _compat
 
 __all__ = ["PeakFlopsMixin", "make_throughput"]
 

@@ -11,8 +11,9 @@ from __future__ import annotations
 import gc
 from collections.abc import Callable, Sequence
 
-import cudnn_attention
 import torch
+
+import cudnn_attention
 
 from .model import UnsupportedImplementation
 from .reporting import RunResult
@@ -50,9 +51,7 @@ def _flash_attention_4_missing(*, device: str, on_gpu: bool) -> str | None:
     return None
 
 
-def run_with_compare(
-    run_once: Callable[[str], RunResult], *, primary: str, references: Sequence[str], device: str
-) -> dict[str, RunResult]:
+def run_with_compare(run_once: Callable[[str], RunResult], *, primary: str, references: Sequence[str], device: str) -> dict[str, RunResult]:
     """``{primary: result, reference: result, ...}`` in that order; ``run_once(implementation)`` trains once and returns its result."""
     results = {primary: _fresh_run(run_once, primary)}
     for reference in dict.fromkeys(references):  # each once, in the order given

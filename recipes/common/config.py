@@ -133,9 +133,13 @@ def model_shape(*, family: str, size: str) -> ModelShape:
 
 
 def data_budget(
-    *, size: str, tokens_per_step: int | None = None, steps: int | None = None, min_doc_tokens: int | None = None,
+    *,
+    size: str,
+    tokens_per_step: int | None = None,
+    steps: int | None = None,
+    min_doc_tokens: int | None = None,
     max_doc_tokens: int | None = None,
-) -> DataBudget:  # fmt: skip
+) -> DataBudget:
     """The data budget of ``size``, with the given fields in place of the preset's (``None``: the preset's); a document
     is never longer than a step's tokens, nor the preset's shortest document longer than the longest.
 
@@ -249,7 +253,9 @@ class RecipeOptions:
     tokens_per_step: int | None = field(default=None, metadata={"help": "real tokens per optimizer step and device; None: the preset's"})
     min_doc_tokens: int | None = field(default=None, metadata={"help": "shortest document cut from running text; None: the preset's"})
     max_doc_tokens: int | None = field(default=None, metadata={"help": "longest document (longer records are split); None: the preset's"})
-    checkpoint: str | None = field(default=None, metadata={"help": "local Hugging Face checkpoint directory to fine-tune; None: random init"})
+    checkpoint: str | None = field(
+        default=None, metadata={"help": "local Hugging Face checkpoint directory to fine-tune; None: random init"}
+    )
     tokenizer: str | None = field(default=None, metadata={"help": "local tokenizer directory; None: the checkpoint's, else UTF-8 bytes"})
     dataset: str | None = field(default=None, metadata={"help": "local .txt or .jsonl file; None: Python's own pydoc_data.topics text"})
     text_field: str = field(default="text", metadata={"help": "the .jsonl field holding each document's text"})
@@ -258,13 +264,22 @@ class RecipeOptions:
         """A copy with the size (``auto``: small on a GPU, tiny on a CPU) and every ``None`` budget field filled in."""
         size = self.size if self.size != "auto" else ("small" if on_gpu else "tiny")
         budget = self.budget(size=size)
-        return dataclasses.replace(self, size=size, tokens_per_step=budget.tokens_per_step, min_doc_tokens=budget.min_doc_tokens,
-                                   max_doc_tokens=budget.max_doc_tokens)  # fmt: skip
+        return dataclasses.replace(
+            self,
+            size=size,
+            tokens_per_step=budget.tokens_per_step,
+            min_doc_tokens=budget.min_doc_tokens,
+            max_doc_tokens=budget.max_doc_tokens,
+        )
 
     def budget(self, *, size: str | None = None) -> DataBudget:
         """The data budget of ``size`` (default: this size, resolved) with these options' fields in place of the preset's."""
-        return data_budget(size=size or self.size, tokens_per_step=self.tokens_per_step, min_doc_tokens=self.min_doc_tokens,
-                           max_doc_tokens=self.max_doc_tokens)  # fmt: skip
+        return data_budget(
+            size=size or self.size,
+            tokens_per_step=self.tokens_per_step,
+            min_doc_tokens=self.min_doc_tokens,
+            max_doc_tokens=self.max_doc_tokens,
+        )
 
     def model_name(self) -> str:
         """How the header and plot title name the model: the checkpoint, or the family and size of a random init."""
@@ -278,9 +293,12 @@ class RunOptions:
 
     compare: list[str] = field(
         default_factory=list,
-        metadata={"help": "also run the same steps with these implementations and compare loss, speed and memory "
-                          "(flash_attention_4 where installed)", "choices": REFERENCES},
-    )  # fmt: skip
+        metadata={
+            "help": "also run the same steps with these implementations and compare loss, speed and memory "
+            "(flash_attention_4 where installed)",
+            "choices": REFERENCES,
+        },
+    )
     overwrite_output_dir: bool = field(
         default=False, metadata={"help": "write into an output directory that already holds a run's metrics.json"}
     )

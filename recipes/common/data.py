@@ -22,8 +22,17 @@ import torch
 
 from .errors import RecipeError, flag
 
-__all__ = ["STATS_KEY", "PackedCollator", "PackedDataset", "RecipeDataWarning", "build_dataset", "cut_documents", "load_texts",
-           "pack_documents", "warn_if_repeated"]  # fmt: skip
+__all__ = [
+    "STATS_KEY",
+    "PackedCollator",
+    "PackedDataset",
+    "RecipeDataWarning",
+    "build_dataset",
+    "cut_documents",
+    "load_texts",
+    "pack_documents",
+    "warn_if_repeated",
+]
 
 # The collator's per-step counts ride in the batch under this key; the recipes pop it before the model call.
 STATS_KEY = "recipe_stats"
@@ -48,7 +57,9 @@ def load_texts(*, dataset: str | None = None, text_field: str = "text") -> tuple
             texts = [_record_text(line, text_field=text_field, where=f"{dataset}:{number}") for number, line in lines if line.strip()]
             running = False
     except UnicodeDecodeError as error:
-        raise RecipeError(f"dataset {dataset!r} is not UTF-8 text ({error.reason} at byte {error.start}): pass a .txt or .jsonl file") from None
+        raise RecipeError(
+            f"dataset {dataset!r} is not UTF-8 text ({error.reason} at byte {error.start}): pass a .txt or .jsonl file"
+        ) from None
     if not any(text.strip() for text in texts):
         # Only the end-of-text token would be left: a step with nothing to predict, whose loss is NaN.
         raise RecipeError(f"dataset {dataset!r} has no text: pass a {flag('dataset')} with at least one non-empty document")
@@ -122,8 +133,9 @@ class RecipeDataWarning(UserWarning):
     """The data is too small for the run: steps repeat it, or a step holds fewer tokens than its budget."""
 
 
-def warn_if_repeated(*, packs: list[list[list[int]]], tokens_per_step: int, steps: int, world_size: int = 1,
-                     packs_per_step: int = 1) -> str | None:  # fmt: skip
+def warn_if_repeated(
+    *, packs: list[list[list[int]]], tokens_per_step: int, steps: int, world_size: int = 1, packs_per_step: int = 1
+) -> str | None:
     """Warn (:class:`RecipeDataWarning`), with the numbers, when ``steps`` optimizer steps on ``world_size`` devices, each step
     taking ``packs_per_step`` packs of ``tokens_per_step`` tokens per device (batch size x gradient accumulation), would train
     on the same packs more than once or on fewer tokens than a step holds; returns the message (``None``: no warning)."""
@@ -133,12 +145,16 @@ def warn_if_repeated(*, packs: list[list[list[int]]], tokens_per_step: int, step
     if tokens < step_tokens:
         # A step needs 2 tokens (data_budget): below that, only more data helps.
         fits = f"{flag('tokens_per_step', tokens // packs_per_step)} or less, or " if tokens // packs_per_step >= 2 else ""
-        message = (f"the data has {tokens:,} tokens, fewer than one step's {step_tokens:,}: each of the {steps} steps trains on "
-                   f"the same {tokens:,} tokens; pass {fits}more data")  # fmt: skip
+        message = (
+            f"the data has {tokens:,} tokens, fewer than one step's {step_tokens:,}: each of the {steps} steps trains on "
+            f"the same {tokens:,} tokens; pass {fits}more data"
+        )
     elif steps * packs_per_step > per_device:
-        message = (f"the data fills {len(packs)} packs of {tokens_per_step:,} tokens ({per_device} per device): {steps} steps of "
-                   f"{packs_per_step} go over it {steps * packs_per_step / per_device:.1f} times; pass more data, fewer steps or a "
-                   f"smaller {flag('tokens_per_step')}")  # fmt: skip
+        message = (
+            f"the data fills {len(packs)} packs of {tokens_per_step:,} tokens ({per_device} per device): {steps} steps of "
+            f"{packs_per_step} go over it {steps * packs_per_step / per_device:.1f} times; pass more data, fewer steps or a "
+            f"smaller {flag('tokens_per_step')}"
+        )
     else:
         return None
     warnings.warn(message, RecipeDataWarning, stacklevel=2)
@@ -179,8 +195,9 @@ class PackedCollator:
         return batch
 
 
-def build_dataset(*, tokenizer, dataset: str | None, text_field: str, tokens_per_step: int, min_doc_tokens: int, max_doc_tokens: int,
-                  seed: int) -> PackedDataset:  # fmt: skip
+def build_dataset(
+    *, tokenizer, dataset: str | None, text_field: str, tokens_per_step: int, min_doc_tokens: int, max_doc_tokens: int, seed: int
+) -> PackedDataset:
     """Load, tokenize (each text ends with eos), cut and pack: the dataset every recipe trains on."""
     texts, running = load_texts(dataset=dataset, text_field=text_field)
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []

@@ -14,8 +14,9 @@ import contextlib
 import dataclasses
 from pathlib import Path
 
-import cudnn_attention
 import torch
+
+import cudnn_attention
 
 from .compare import run_with_compare
 from .config import (
@@ -43,12 +44,16 @@ __all__ = ["TRAINER_DEFAULTS", "main", "parse", "run", "train_once"]
 # The recipe's TrainingArguments defaults; any flag on the command line replaces them.
 TRAINER_DEFAULTS = dict(
     per_device_train_batch_size=1,  # one pack of --tokens_per_step tokens is one row
-    learning_rate=LEARNING_RATE, lr_scheduler_type="cosine", weight_decay=WEIGHT_DECAY, max_grad_norm=MAX_GRAD_NORM,
-    save_strategy="no", report_to="none",
+    learning_rate=LEARNING_RATE,
+    lr_scheduler_type="cosine",
+    weight_decay=WEIGHT_DECAY,
+    max_grad_norm=MAX_GRAD_NORM,
+    save_strategy="no",
+    report_to="none",
     remove_unused_columns=False,  # the collator's counts ride in the batch until training_step pops them
     seed=0,
     ddp_find_unused_parameters=False,  # every parameter gets a gradient every step; skip DDP's graph walk
-)  # fmt: skip
+)
 # Filled in after parsing when not given: from the machine (use_cpu, bf16, dataloader_pin_memory), the size preset
 # (max_steps) and the step count (warmup_steps, logging_steps); output_dir: a new folder per run.
 _RESOLVED_LATER = ("use_cpu", "bf16", "dataloader_pin_memory", "max_steps", "warmup_steps", "logging_steps", "output_dir")
@@ -183,18 +188,25 @@ def train_once(options: RecipeOptions, args, implementation: str, *, dataset, to
     cuda = args.device.type == "cuda"
     shape = None if options.checkpoint else model_shape(family=options.family, size=options.size)
     model = build_model(
-        attn_implementation=implementation, family=options.family, shape=shape, vocab_size=tokenizer.vocab_size,
-        max_positions=max(4096, options.max_doc_tokens), checkpoint=options.checkpoint, tokenizer=tokenizer, device=args.device,
+        attn_implementation=implementation,
+        family=options.family,
+        shape=shape,
+        vocab_size=tokenizer.vocab_size,
+        max_positions=max(4096, options.max_doc_tokens),
+        checkpoint=options.checkpoint,
+        tokenizer=tokenizer,
+        device=args.device,
         dtype=torch.bfloat16 if cuda else torch.float32,  # bf16 weights on a GPU (what cuDNN serves); the CPU fallback computes in fp32
         seed=args.seed,
-    )  # fmt: skip
+    )
     # step_flops_of before any wrapping (FSDP shards the parameters)
     recorder = StepRecorder(step_flops=step_flops_of(model), device=args.device, planned_steps=args.max_steps, world_size=args.world_size)
     trainer = PackedTrainer(model=model, args=args, train_dataset=dataset, data_collator=PackedCollator(), recorder=recorder)
     with cudnn_attention.strict() if options.strict else contextlib.nullcontext():
         trainer.train()
-    return recorder.result(attn_implementation=implementation, gather=lambda t: trainer.accelerator.gather(t[None]),
-                           distributed=_distributed(trainer))  # fmt: skip
+    return recorder.result(
+        attn_implementation=implementation, gather=lambda t: trainer.accelerator.gather(t[None]), distributed=_distributed(trainer)
+    )
 
 
 def _distributed(trainer) -> str:
@@ -229,13 +241,25 @@ def run(options: RecipeOptions, run_options: RunOptions, args, *, recipe: str) -
         checked_output_dir(args.output_dir, overwrite=run_options.overwrite_output_dir)
     tokenizer = load_tokenizer(tokenizer=options.tokenizer, checkpoint=options.checkpoint)
     dataset = build_dataset(
-        tokenizer=tokenizer, dataset=options.dataset, text_field=options.text_field, tokens_per_step=options.tokens_per_step,
-        min_doc_tokens=options.min_doc_tokens, max_doc_tokens=options.max_doc_tokens, seed=args.seed,
-    )  # fmt: skip
+        tokenizer=tokenizer,
+        dataset=options.dataset,
+        text_field=options.text_field,
+        tokens_per_step=options.tokens_per_step,
+        min_doc_tokens=options.min_doc_tokens,
+        max_doc_tokens=options.max_doc_tokens,
+        seed=args.seed,
+    )
     if main_process:
-        announce_run(recipe=recipe, options=options, implementation=options.attn_implementation, device=device, steps=args.max_steps,
-                     packs=dataset.packs, packs_per_step=args.per_device_train_batch_size * args.gradient_accumulation_steps,  # one pack per row
-                     world_size=args.world_size)  # fmt: skip
+        announce_run(
+            recipe=recipe,
+            options=options,
+            implementation=options.attn_implementation,
+            device=device,
+            steps=args.max_steps,
+            packs=dataset.packs,
+            packs_per_step=args.per_device_train_batch_size * args.gradient_accumulation_steps,  # one pack per row
+            world_size=args.world_size,
+        )
     output_dir, keep = _run_dir(args, run_options, recipe=recipe, main_process=main_process)
 
     def run_once(implementation: str) -> RunResult:
@@ -245,10 +269,22 @@ def run(options: RecipeOptions, run_options: RunOptions, args, *, recipe: str) -
 
     try:
         results = run_with_compare(run_once, primary=options.attn_implementation, references=run_options.compare, device=str(device))
-        config = {**dataclasses.asdict(options), **dataclasses.asdict(run_options), "steps": args.max_steps, "output_dir": str(output_dir),
-                  "training_arguments": args.to_dict()}  # fmt: skip
-        return finish(recipe=recipe, results=results, primary=options.attn_implementation, config=config, output_dir=output_dir,
-                      title=f"{recipe}: {options.model_name()}", write=main_process)  # fmt: skip
+        config = {
+            **dataclasses.asdict(options),
+            **dataclasses.asdict(run_options),
+            "steps": args.max_steps,
+            "output_dir": str(output_dir),
+            "training_arguments": args.to_dict(),
+        }
+        return finish(
+            recipe=recipe,
+            results=results,
+            primary=options.attn_implementation,
+            config=config,
+            output_dir=output_dir,
+            title=f"{recipe}: {options.model_name()}",
+            write=main_process,
+        )
     finally:
         if main_process:
             remove_empty_dirs(output_dir, keep=keep)  # the Trainers' folders when nothing was saved; the run's own when it failed

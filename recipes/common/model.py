@@ -22,16 +22,34 @@ class UnsupportedImplementation(RecipeError):
     """The model does not support the requested ``attn_implementation`` (transformers refused it)."""
 
 
-def hf_config(*, family: str, shape: ModelShape, vocab_size: int, max_positions: int, pad_token_id: int | None = None,
-              eos_token_id: int | None = None, bos_token_id: int | None = None):  # fmt: skip
+def hf_config(
+    *,
+    family: str,
+    shape: ModelShape,
+    vocab_size: int,
+    max_positions: int,
+    pad_token_id: int | None = None,
+    eos_token_id: int | None = None,
+    bos_token_id: int | None = None,
+):
     """The transformers config of ``family`` with ``shape`` (no dropout: cuDNN serves dropout-free attention)."""
     import transformers as tf
 
     common = dict(
-        vocab_size=vocab_size, hidden_size=shape.hidden, intermediate_size=shape.intermediate, num_hidden_layers=shape.layers,
-        num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads, head_dim=shape.head_dim, max_position_embeddings=max_positions,
-        pad_token_id=pad_token_id, eos_token_id=eos_token_id, bos_token_id=bos_token_id, tie_word_embeddings=False, use_cache=False,
-    )  # fmt: skip
+        vocab_size=vocab_size,
+        hidden_size=shape.hidden,
+        intermediate_size=shape.intermediate,
+        num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads,
+        head_dim=shape.head_dim,
+        max_position_embeddings=max_positions,
+        pad_token_id=pad_token_id,
+        eos_token_id=eos_token_id,
+        bos_token_id=bos_token_id,
+        tie_word_embeddings=False,
+        use_cache=False,
+    )
     if family == "mistral":
         return tf.MistralConfig(**common, sliding_window=shape.window)
     if family == "llama":
@@ -41,8 +59,14 @@ def hf_config(*, family: str, shape: ModelShape, vocab_size: int, max_positions:
         layer_types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(shape.layers)]
         # gpt-oss's YaRN RoPE is defined for 131072 positions (32 x 4096); any other value only triggers a warning.
         common["max_position_embeddings"] = max(max_positions, 131072)
-        return tf.GptOssConfig(**common, sliding_window=shape.window, layer_types=layer_types, num_local_experts=shape.experts,
-                               num_experts_per_tok=shape.experts_per_token, output_router_logits=False)  # fmt: skip
+        return tf.GptOssConfig(
+            **common,
+            sliding_window=shape.window,
+            layer_types=layer_types,
+            num_local_experts=shape.experts,
+            num_experts_per_tok=shape.experts_per_token,
+            output_router_logits=False,
+        )
     raise ValueError(f"unknown family {family!r}")
 
 
@@ -79,9 +103,15 @@ def build_model(
             model = model.to(device)
         config = model.config
     else:
-        config = hf_config(family=family, shape=shape, vocab_size=vocab_size, max_positions=max_positions,
-                           pad_token_id=getattr(tokenizer, "pad_token_id", None), eos_token_id=getattr(tokenizer, "eos_token_id", None),
-                           bos_token_id=getattr(tokenizer, "bos_token_id", None))  # fmt: skip
+        config = hf_config(
+            family=family,
+            shape=shape,
+            vocab_size=vocab_size,
+            max_positions=max_positions,
+            pad_token_id=getattr(tokenizer, "pad_token_id", None),
+            eos_token_id=getattr(tokenizer, "eos_token_id", None),
+            bos_token_id=getattr(tokenizer, "bos_token_id", None),
+        )
         with torch.device(device) if device is not None else contextlib.nullcontext(), _refusal_as_unsupported():
             model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=dtype)
     config.use_cache = False  # training: a cache would also leak across packed documents on eager/sdpa

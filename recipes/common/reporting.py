@@ -17,9 +17,27 @@ from cudnn_attention.environment import versions
 from .data import warn_if_repeated
 from .run_dirs import RESULTS
 
-__all__ = ["IMPLEMENTATION_COLORS", "RunResult", "announce_run", "comparison", "describe_comparison", "draw_losses", "fallback_announced",
-           "fallback_reasons", "finish", "format_mfu", "format_rate", "header", "plot_losses", "rates", "served_by", "step_columns",
-           "step_row", "warmup_steps", "write_metrics"]  # fmt: skip
+__all__ = [
+    "IMPLEMENTATION_COLORS",
+    "RunResult",
+    "announce_run",
+    "comparison",
+    "describe_comparison",
+    "draw_losses",
+    "fallback_announced",
+    "fallback_reasons",
+    "finish",
+    "format_mfu",
+    "format_rate",
+    "header",
+    "plot_losses",
+    "rates",
+    "served_by",
+    "step_columns",
+    "step_row",
+    "warmup_steps",
+    "write_metrics",
+]
 
 _GIB = 2**30
 # One colour per implementation in every panel and every plot of the recipes and their benchmarks.
@@ -32,8 +50,9 @@ def warmup_steps(steps: int) -> int:
     return 0 if steps < 2 else max(1, min(5, steps // 10))
 
 
-def rates(seconds: list[float], tokens: list[float], flops: list[float], *, skip: int, peak_flops: float | None,
-          world_size: int) -> tuple[float | None, float | None]:  # fmt: skip
+def rates(
+    seconds: list[float], tokens: list[float], flops: list[float], *, skip: int, peak_flops: float | None, world_size: int
+) -> tuple[float | None, float | None]:
     """``(tokens/s, MFU)`` over the steps after the first ``skip``; ``tokens`` and ``flops`` per step summed over the
     ``world_size`` devices, MFU against ``peak_flops`` per device (``None`` where unknown)."""
     elapsed = sum(seconds[skip:])
@@ -53,23 +72,38 @@ def format_mfu(mfu: float) -> str:
     return f"{100 * mfu:.1f}%"
 
 
-def header(*, recipe: str, model: str, implementation: str, device: str, steps: int, tokens_per_step: int, packs: list,
-           doc_tokens: tuple[int, int]) -> str:  # fmt: skip
+def header(
+    *, recipe: str, model: str, implementation: str, device: str, steps: int, tokens_per_step: int, packs: list, doc_tokens: tuple[int, int]
+) -> str:
     """The line a recipe prints before training (and, without a GPU, that the fallback serves cudnn)."""
     documents = sum(len(pack) for pack in packs)
-    line = (f"{recipe}: {model}, attn_implementation={implementation!r}, {device}, {steps} steps of {tokens_per_step:,} tokens per "
-            f"device ({len(packs)} packs, {documents / len(packs):.1f} documents each, {doc_tokens[0]}-{doc_tokens[1]} tokens per document)")  # fmt: skip
+    line = (
+        f"{recipe}: {model}, attn_implementation={implementation!r}, {device}, {steps} steps of {tokens_per_step:,} tokens per "
+        f"device ({len(packs)} packs, {documents / len(packs):.1f} documents each, {doc_tokens[0]}-{doc_tokens[1]} tokens per document)"
+    )
     return f"{line}\n{_CPU_NOTE}" if implementation == "cudnn" and not str(device).startswith("cuda") else line
 
 
-def announce_run(*, recipe: str, options, implementation: str, device, steps: int, packs: list, packs_per_step: int,
-                 world_size: int) -> None:  # fmt: skip
+def announce_run(
+    *, recipe: str, options, implementation: str, device, steps: int, packs: list, packs_per_step: int, world_size: int
+) -> None:
     """Print the :func:`header` of a run whose optimizer steps take ``packs_per_step`` packs per device (batch size x
     gradient accumulation), and warn when its steps would repeat packs (see :func:`~.data.warn_if_repeated`)."""
-    print(header(recipe=recipe, model=options.model_name(), implementation=implementation, device=str(device), steps=steps,
-                 tokens_per_step=options.tokens_per_step * packs_per_step, packs=packs,
-                 doc_tokens=(options.min_doc_tokens, options.max_doc_tokens)))  # fmt: skip
-    warn_if_repeated(packs=packs, tokens_per_step=options.tokens_per_step, steps=steps, world_size=world_size, packs_per_step=packs_per_step)
+    print(
+        header(
+            recipe=recipe,
+            model=options.model_name(),
+            implementation=implementation,
+            device=str(device),
+            steps=steps,
+            tokens_per_step=options.tokens_per_step * packs_per_step,
+            packs=packs,
+            doc_tokens=(options.min_doc_tokens, options.max_doc_tokens),
+        )
+    )
+    warn_if_repeated(
+        packs=packs, tokens_per_step=options.tokens_per_step, steps=steps, world_size=world_size, packs_per_step=packs_per_step
+    )
 
 
 @contextlib.contextmanager
@@ -92,8 +126,12 @@ def step_row(counts: dict, step_flops) -> tuple[float, float, float, float]:
 
 def step_columns(rows) -> dict:
     """:class:`RunResult`'s per-step count fields from :func:`step_row` rows (summed over ranks)."""
-    return {"tokens": [int(row[0]) for row in rows], "padded_tokens": [int(row[1]) for row in rows], "flops": [row[2] for row in rows],
-            "attention_flops": [row[3] for row in rows]}  # fmt: skip
+    return {
+        "tokens": [int(row[0]) for row in rows],
+        "padded_tokens": [int(row[1]) for row in rows],
+        "flops": [row[2] for row in rows],
+        "attention_flops": [row[3] for row in rows],
+    }
 
 
 @dataclass(kw_only=True)
@@ -120,7 +158,9 @@ class RunResult:
         if self.skipped:
             return {"attn_implementation": self.attn_implementation, "skipped": self.skipped}
         skip = warmup_steps(len(self.step_seconds))
-        tokens_per_s, mfu = rates(self.step_seconds, self.tokens, self.flops, skip=skip, peak_flops=self.peak_flops, world_size=self.world_size)
+        tokens_per_s, mfu = rates(
+            self.step_seconds, self.tokens, self.flops, skip=skip, peak_flops=self.peak_flops, world_size=self.world_size
+        )
         return {
             "attn_implementation": self.attn_implementation,
             "steps": len(self.losses),
@@ -217,8 +257,14 @@ def draw_losses(results: dict[str, RunResult], *, title: str):
     colors = {name: IMPLEMENTATION_COLORS.get(name, f"C{5 + index}") for index, name in enumerate(ran)}
     for index, (name, result) in enumerate(ran.items()):
         # Distinct line styles: curves that agree would otherwise hide each other.
-        axes[0][0].plot(range(1, len(result.losses) + 1), result.losses, label=_legend_name(name, result), color=colors[name],
-                        linewidth=1.2, linestyle=styles[index % len(styles)])  # fmt: skip
+        axes[0][0].plot(
+            range(1, len(result.losses) + 1),
+            result.losses,
+            label=_legend_name(name, result),
+            color=colors[name],
+            linewidth=1.2,
+            linestyle=styles[index % len(styles)],
+        )
     axes[0][0].set_ylabel("training loss")
     axes[0][0].legend()
     axes[0][0].set_title(title)
@@ -229,7 +275,9 @@ def draw_losses(results: dict[str, RunResult], *, title: str):
                 continue
             n = min(len(result.losses), len(ran[baseline].losses))
             difference = [x - y for x, y in zip(result.losses[:n], ran[baseline].losses[:n], strict=True)]
-            axes[1][0].plot(range(1, n + 1), difference, color=colors[name], linewidth=1.0, label=f"{_legend_name(name, result)} - {baseline}")
+            axes[1][0].plot(
+                range(1, n + 1), difference, color=colors[name], linewidth=1.0, label=f"{_legend_name(name, result)} - {baseline}"
+            )
         axes[1][0].axhline(0.0, color="gray", linewidth=0.6)
         axes[1][0].set_ylabel(f"loss - {baseline} loss")
         axes[1][0].legend()
@@ -284,13 +332,16 @@ def describe_comparison(result: dict, *, primary: str) -> str:
         return f"compare {primary} vs {reference}: skipped ({result['skipped']})"
     speedup = f"{result['speedup_tokens_per_s']:.2f}x" if result["speedup_tokens_per_s"] else "n/a"
     memory = ", ".join(f"{name} {gib:.2f} GiB" for name, gib in result["peak_memory_gib"].items() if gib is not None) or "n/a (cpu)"
-    return (f"compare {primary} vs {reference} over {result['steps']} steps: loss max |diff| {result['loss_max_abs_diff']:.3g} "
-            f"(relative {result['loss_max_rel_diff']:.3g}; second-half mean {result['loss_mean_abs_diff_second_half']:.3g}), "
-            f"speedup {speedup} tokens/s, peak memory {memory}")  # fmt: skip
+    return (
+        f"compare {primary} vs {reference} over {result['steps']} steps: loss max |diff| {result['loss_max_abs_diff']:.3g} "
+        f"(relative {result['loss_max_rel_diff']:.3g}; second-half mean {result['loss_mean_abs_diff_second_half']:.3g}), "
+        f"speedup {speedup} tokens/s, peak memory {memory}"
+    )
 
 
-def finish(*, recipe: str, results: dict[str, RunResult], primary: str, config: dict, output_dir: str | Path, title: str,
-           write: bool = True) -> dict:  # fmt: skip
+def finish(
+    *, recipe: str, results: dict[str, RunResult], primary: str, config: dict, output_dir: str | Path, title: str, write: bool = True
+) -> dict:
     """The metrics of a recipe run; with ``write`` (rank zero only) also print the summary and write ``metrics.json`` and ``loss.png``.
 
     ``results`` holds the primary run first, then the compared ones; ``payload["comparisons"]`` compares the
@@ -312,7 +363,9 @@ def finish(*, recipe: str, results: dict[str, RunResult], primary: str, config: 
     eager = results.get("eager")
     if eager is not None and not eager.skipped:
         against_eager = {
-            name: comparison(results, primary=name, reference="eager") for name, result in results.items() if name != "eager" and not result.skipped
+            name: comparison(results, primary=name, reference="eager")
+            for name, result in results.items()
+            if name != "eager" and not result.skipped
         }
         for key in ("loss_max_abs_diff", "loss_mean_abs_diff_second_half"):
             payload[f"{key}_vs_eager"] = {name: result[key] for name, result in against_eager.items()}
@@ -332,7 +385,7 @@ def finish(*, recipe: str, results: dict[str, RunResult], primary: str, config: 
         try:
             plot = plot_losses(Path(output_dir) / "loss.png", results, title=title)
         except ImportError:  # the run's figures are in the JSON already; do not fail a finished run over a plot
-            print(f"wrote {metrics}; no loss.png: matplotlib is not installed (pip install -e \".[recipes]\")")
+            print(f'wrote {metrics}; no loss.png: matplotlib is not installed (pip install -e ".[recipes]")')
         else:
             print(f"wrote {metrics} and {plot}")
     return payload

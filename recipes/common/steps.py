@@ -10,8 +10,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-import cudnn_attention
 import torch
+
+import cudnn_attention
 from cudnn_attention.integrations.throughput import dense_bf16_peak_flops
 
 from .reporting import RunResult, rates, step_columns, step_row, warmup_steps
@@ -90,8 +91,14 @@ class StepRecorder:
         counts = gather(torch.tensor(self.rows, dtype=torch.float64, device=self.device)).sum(0)
         cuda = self.device.type == "cuda"
         return RunResult(
-            attn_implementation=attn_implementation, losses=losses.tolist(), step_seconds=list(self.seconds),
-            **step_columns(counts.tolist()), world_size=self.world_size, distributed=distributed,
-            device_name=torch.cuda.get_device_name(self.device) if cuda else "cpu", peak_flops=self.peak_flops,
-            peak_memory_bytes=torch.cuda.max_memory_allocated(self.device) if cuda else None, stats=cudnn_attention.stats(),
-        )  # fmt: skip
+            attn_implementation=attn_implementation,
+            losses=losses.tolist(),
+            step_seconds=list(self.seconds),
+            **step_columns(counts.tolist()),
+            world_size=self.world_size,
+            distributed=distributed,
+            device_name=torch.cuda.get_device_name(self.device) if cuda else "cpu",
+            peak_flops=self.peak_flops,
+            peak_memory_bytes=torch.cuda.max_memory_allocated(self.device) if cuda else None,
+            stats=cudnn_attention.stats(),
+        )

@@ -80,8 +80,12 @@ def _check_packed(options, q, k, v, sinks, cu_q, cu_kv, max_q, max_kv):
     return check_against_references(
         lambda *t, **kw: cudnn_attention.varlen_attention(*t, cu_q, cu_kv, max_q, max_kv, **kw),
         lambda *t, **kw: varlen_reference(*t, cu_q, cu_kv, max_q, max_kv, **kw),
-        options, q, k, v, sinks,
-    )  # fmt: skip
+        options,
+        q,
+        k,
+        v,
+        sinks,
+    )
 
 
 ODD_LENGTHS = [129, 1, 77, 300, 5]  # five documents (bucketed to six), a length-1 one among them
@@ -396,12 +400,22 @@ def test_every_launch_path_gives_the_same_bits(monkeypatch, sinks):
 CALLS = {
     "dense causal, grad": lambda d, p: (cudnn_attention.attention, d[:3], dict(causal=True)),
     "dense padded, sinks, window, grad": lambda d, p: (
-        cudnn_attention.attention, d[:3],
-        dict(causal=True, window_size=(50, 0), sinks=d[3], seqlens_q=torch.tensor([203, 90], device=DEVICE),
-             seqlens_kv=torch.tensor([150, 0], device=DEVICE)),
-    ),  # fmt: skip
+        cudnn_attention.attention,
+        d[:3],
+        dict(
+            causal=True,
+            window_size=(50, 0),
+            sinks=d[3],
+            seqlens_q=torch.tensor([203, 90], device=DEVICE),
+            seqlens_kv=torch.tensor([150, 0], device=DEVICE),
+        ),
+    ),
     "dense, no grad, lse": lambda d, p: (cudnn_attention.attention, [t.detach() for t in d[:3]], dict(return_lse=True)),
-    "packed window sinks, grad": lambda d, p: (cudnn_attention.varlen_attention, [*p[:3], *p[4:]], dict(causal=True, window_size=(32, 0), sinks=p[3])),
+    "packed window sinks, grad": lambda d, p: (
+        cudnn_attention.varlen_attention,
+        [*p[:3], *p[4:]],
+        dict(causal=True, window_size=(32, 0), sinks=p[3]),
+    ),
     "packed, no grad": lambda d, p: (cudnn_attention.varlen_attention, [*(t.detach() for t in p[:3]), *p[4:]], dict(causal=True)),
 }
 
@@ -451,6 +465,8 @@ def test_opcheck_forward_and_backward_ops():
     q, k, v, sinks, cu_q, cu_kv, mq, mk = _packed_case([40, 17])
     dq, dk, dv, ds = _dense_case("causal", 4, 64, torch.bfloat16, sinks=True)
     sinks32 = ds.detach().float().requires_grad_()
-    torch.library.opcheck(torch.ops.cudnn_attention.forward.default, (dq, dk, dv, sinks32), dict(scale=0.125, window_right=0, need_lse=True))
+    torch.library.opcheck(
+        torch.ops.cudnn_attention.forward.default, (dq, dk, dv, sinks32), dict(scale=0.125, window_right=0, need_lse=True)
+    )
     options = dict(cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv, max_seqlen_q=mq, max_seqlen_kv=mk, scale=0.125, window_left=16, window_right=0)
     torch.library.opcheck(torch.ops.cudnn_attention.forward.default, (q, k, v), dict(options, need_lse=True))

@@ -10,12 +10,12 @@ import itertools
 
 import pytest
 import torch
-from support.reference64 import reference_attention, reference_varlen_attention
-from support.sync_debug import warm_and_run
-from support.tolerances import assert_within_lowp_noise
 
 import cudnn_attention
 from cudnn_attention import flash_attn_interface as fai
+from support.reference64 import reference_attention, reference_varlen_attention
+from support.sync_debug import warm_and_run
+from support.tolerances import assert_within_lowp_noise
 
 pytestmark = pytest.mark.gpu
 DEVICE = "cuda"

@@ -9,8 +9,8 @@ import cudnn_attention
 
 transformers = pytest.importorskip("transformers")
 from support.child_process import run_python  # noqa: E402
-from support.model_gradients import gradient_mismatches, parameter_gradients  # noqa: E402
 from support.hf_models import MODELS, VOCAB, build, documents, packed_batch, padded_batch  # noqa: E402
+from support.model_gradients import gradient_mismatches, parameter_gradients  # noqa: E402
 from support.tolerances import assert_within_lowp_noise, lowp_noise_bound  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -95,7 +95,9 @@ def test_packed_training_gradients_match_eager_for_every_parameter(name):
     starts = [0, *itertools.accumulate(len(doc) for doc in docs)]
 
     def summed_loss(logits_SV, ids):  # next-token cross-entropy inside one document, summed
-        return torch.nn.functional.cross_entropy(logits_SV[:-1].float(), torch.tensor(ids[1:], dtype=torch.long, device=DEVICE), reduction="sum")
+        return torch.nn.functional.cross_entropy(
+            logits_SV[:-1].float(), torch.tensor(ids[1:], dtype=torch.long, device=DEVICE), reduction="sum"
+        )
 
     grads = {}
     for impl, dtype in (("cudnn", torch.bfloat16), ("eager", torch.float32), ("eager", torch.bfloat16)):
@@ -117,10 +119,20 @@ def test_trainer_step_runs_on_cudnn(tmp_path):
     model = gpu_model("qwen2", "cudnn", torch.float32)
     docs = _docs(3) * 2
     dataset = [{"input_ids": d} for d in docs]
-    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=2, bf16=True, report_to=[],
-                             logging_steps=1, save_strategy="no", remove_unused_columns=False)  # fmt: skip
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        max_steps=2,
+        bf16=True,
+        report_to=[],
+        logging_steps=1,
+        save_strategy="no",
+        remove_unused_columns=False,
+    )
     cudnn_attention.reset_stats()
-    trainer = Trainer(model=model, args=args, train_dataset=dataset, data_collator=DataCollatorWithFlattening(return_flash_attn_kwargs=True))
+    trainer = Trainer(
+        model=model, args=args, train_dataset=dataset, data_collator=DataCollatorWithFlattening(return_flash_attn_kwargs=True)
+    )
     result = trainer.train()
     stats = cudnn_attention.stats()
     assert torch.isfinite(torch.tensor(result.training_loss))
@@ -176,9 +188,12 @@ def test_position_ids_not_starting_at_zero_within_bf16_noise(name):
             if impl == "cudnn":
                 logits[impl, dtype] = model(ids, position_ids=position_ids, use_cache=False).logits[0]
             else:  # eager document by document is the ground truth
-                logits[impl, dtype] = torch.cat([model(ids[:, a:b], position_ids=position_ids[:, a:b], use_cache=False).logits[0]
-                                                 for a, b in ((0, 100), (100, 180))])  # fmt: skip
-    assert_within_lowp_noise(f"{name} position_ids", logits["cudnn", torch.bfloat16], logits["eager", torch.float32], logits["eager", torch.bfloat16])
+                logits[impl, dtype] = torch.cat(
+                    [model(ids[:, a:b], position_ids=position_ids[:, a:b], use_cache=False).logits[0] for a, b in ((0, 100), (100, 180))]
+                )
+    assert_within_lowp_noise(
+        f"{name} position_ids", logits["cudnn", torch.bfloat16], logits["eager", torch.float32], logits["eager", torch.bfloat16]
+    )
 
 
 def assert_greedy_within_bf16_noise(what, got, eager, ref, prompt_len):
@@ -189,7 +204,10 @@ def assert_greedy_within_bf16_noise(what, got, eager, ref, prompt_len):
     comparison ends. Exact token equality would fail on any near tie, whichever kernel is right."""
     for step, (got_logits, eager_logits, ref_logits) in enumerate(zip(got.logits, eager.logits, ref.logits)):
         context = prompt_len + step
-        if not (torch.equal(got.sequences[:, :context], eager.sequences[:, :context]) and torch.equal(eager.sequences[:, :context], ref.sequences[:, :context])):
+        if not (
+            torch.equal(got.sequences[:, :context], eager.sequences[:, :context])
+            and torch.equal(eager.sequences[:, :context], ref.sequences[:, :context])
+        ):
             break
         assert_within_lowp_noise(f"{what} step {step} logits", got_logits, ref_logits.float(), eager_logits)
         got_tokens, eager_tokens = got.sequences[:, context], eager.sequences[:, context]
@@ -197,7 +215,9 @@ def assert_greedy_within_bf16_noise(what, got, eager, ref, prompt_len):
             noise = lowp_noise_bound(ref_logits, eager_logits)
             rows = (got_tokens != eager_tokens).nonzero().view(-1)
             margin = eager_logits.float()[rows, eager_tokens[rows]] - eager_logits.float()[rows, got_tokens[rows]]
-            assert (margin <= noise).all(), f"{what} step {step}: token {got_tokens[rows].tolist()} instead of {eager_tokens[rows].tolist()}, margin {margin.tolist()} > noise {noise:.3g}"
+            assert (margin <= noise).all(), (
+                f"{what} step {step}: token {got_tokens[rows].tolist()} instead of {eager_tokens[rows].tolist()}, margin {margin.tolist()} > noise {noise:.3g}"
+            )
             break
     else:
         assert torch.equal(got.sequences, eager.sequences), what
@@ -213,12 +233,26 @@ def test_greedy_generation_after_right_padding_matches_eager(name, cache_impleme
     # here (FlashAttention's convention) while eager's additive mask averages every value in the cache there.
     mask[0, -3:] = 0
     ids[0, -3:] = 0
-    kwargs = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0, cache_implementation=cache_implementation,
-                  return_dict_in_generate=True, output_logits=True)  # fmt: skip
-    runs = {(impl, dtype): gpu_model(name, impl, dtype).generate(ids, **kwargs)
-            for impl, dtype in (("cudnn", torch.bfloat16), ("eager", torch.bfloat16), ("eager", torch.float32))}  # fmt: skip
-    assert_greedy_within_bf16_noise(f"{name} {cache_implementation}", runs["cudnn", torch.bfloat16], runs["eager", torch.bfloat16],
-                                    runs["eager", torch.float32], ids.shape[1])  # fmt: skip
+    kwargs = dict(
+        attention_mask=mask,
+        max_new_tokens=6,
+        do_sample=False,
+        pad_token_id=0,
+        cache_implementation=cache_implementation,
+        return_dict_in_generate=True,
+        output_logits=True,
+    )
+    runs = {
+        (impl, dtype): gpu_model(name, impl, dtype).generate(ids, **kwargs)
+        for impl, dtype in (("cudnn", torch.bfloat16), ("eager", torch.bfloat16), ("eager", torch.float32))
+    }
+    assert_greedy_within_bf16_noise(
+        f"{name} {cache_implementation}",
+        runs["cudnn", torch.bfloat16],
+        runs["eager", torch.bfloat16],
+        runs["eager", torch.float32],
+        ids.shape[1],
+    )
 
 
 @pytest.mark.parametrize("name", ["llama", "mistral", "gpt_oss"])
@@ -250,7 +284,9 @@ print("no error")
 """
 
 
-@pytest.mark.parametrize("update", ['{"cu_seq_lens_q": torch.tensor([0, 30, 70], dtype=torch.int32, device="cuda")}', '{"max_length_k": 40}'])
+@pytest.mark.parametrize(
+    "update", ['{"cu_seq_lens_q": torch.tensor([0, 30, 70], dtype=torch.int32, device="cuda")}', '{"max_length_k": 40}']
+)
 def test_bad_packing_metadata_fails_on_the_device(update):
     # CUDA metadata is checked on the device (no sync): a failed torch._assert_async poisons the CUDA context, so run it apart.
     import os

@@ -94,10 +94,16 @@ FLASH_KWARGS = {  # built from the CUDA prefix sums at run time: the CPU suite c
     "max_length_k=-1": (lambda cu: dict(max_length_k=-1), ValueError, r"max_length_k must be >= 0, got -1"),
     "max_length_k=None": (lambda cu: dict(max_length_k=None), ValueError, r"go together.* without max_length_k"),
     "cu_seq_lens_k on the host": (lambda cu: dict(cu_seq_lens_k=cu.cpu()), ValueError, r"cu_seq_lens_k must be on cuda:0 like q, got cpu"),
-    "three documents and two": (lambda cu: dict(cu_seq_lens_q=torch.tensor([0, 7, 9, 20], device=cu.device, dtype=cu.dtype)),
-                                ValueError, r"cu_seq_lens_q and cu_seq_lens_k describe different batch sizes: 3 and 2"),
-    "cu_seq_lens_q float": (lambda cu: dict(cu_seq_lens_q=cu.float()), TypeError,
-                            r"cu_seq_lens_q must be int32 or int64, got torch.float32"),
+    "three documents and two": (
+        lambda cu: dict(cu_seq_lens_q=torch.tensor([0, 7, 9, 20], device=cu.device, dtype=cu.dtype)),
+        ValueError,
+        r"cu_seq_lens_q and cu_seq_lens_k describe different batch sizes: 3 and 2",
+    ),
+    "cu_seq_lens_q float": (
+        lambda cu: dict(cu_seq_lens_q=cu.float()),
+        TypeError,
+        r"cu_seq_lens_q must be int32 or int64, got torch.float32",
+    ),
 }
 
 
@@ -130,14 +136,22 @@ def test_a_2d_mask_shorter_than_the_input_is_refused_and_the_process_stays_usabl
 
 
 MASK_FUNCTION_CALLS = [
-    (dict(q_length=11, kv_length=11, q_offset=0, attention_mask=torch.ones(2, 8, dtype=torch.bool)),
-     r"attention_mask has 8 columns, but the keys number 11 \(0 cached \+ 11 new\)"),
-    (dict(q_length=5, kv_length=11, q_offset=6, attention_mask=torch.ones(2, 9, dtype=torch.bool)),
-     r"attention_mask has 9 columns, but the keys number 11 \(6 cached \+ 5 new\)"),
-    (dict(q_length=11, kv_length=11, q_offset=0, attention_mask=torch.ones(1, 11, dtype=torch.bool)),
-     r"attention_mask has 1 rows for a batch of 2"),
-    (dict(q_length=11, kv_length=11, q_offset=0, attention_mask=torch.ones(2, 11, 11, dtype=torch.bool)),
-     r"attention_mask must be 2-D \(batch, keys\) or 4-D .*got shape \(2, 11, 11\)"),
+    (
+        dict(q_length=11, kv_length=11, q_offset=0, attention_mask=torch.ones(2, 8, dtype=torch.bool)),
+        r"attention_mask has 8 columns, but the keys number 11 \(0 cached \+ 11 new\)",
+    ),
+    (
+        dict(q_length=5, kv_length=11, q_offset=6, attention_mask=torch.ones(2, 9, dtype=torch.bool)),
+        r"attention_mask has 9 columns, but the keys number 11 \(6 cached \+ 5 new\)",
+    ),
+    (
+        dict(q_length=11, kv_length=11, q_offset=0, attention_mask=torch.ones(1, 11, dtype=torch.bool)),
+        r"attention_mask has 1 rows for a batch of 2",
+    ),
+    (
+        dict(q_length=11, kv_length=11, q_offset=0, attention_mask=torch.ones(2, 11, 11, dtype=torch.bool)),
+        r"attention_mask must be 2-D \(batch, keys\) or 4-D .*got shape \(2, 11, 11\)",
+    ),
 ]
 
 
@@ -169,8 +183,11 @@ def _padded(rows, width):
 ATTENTION_FUNCTION_MASKS = [
     (_padded(2, 8), ValueError, r"attention_mask has 8 columns \(keys\), fewer than the 11 new tokens"),
     (_padded(1, 11), ValueError, r"attention_mask has 1 rows for a batch of 2"),
-    (torch.ones(2, 1, 11, 9, dtype=torch.bool), ValueError,
-     r"4-D attention_mask must have shape \(1 or 2, 1 or 4, 1 or 11, 11\).* got \(2, 1, 11, 9\)"),
+    (
+        torch.ones(2, 1, 11, 9, dtype=torch.bool),
+        ValueError,
+        r"4-D attention_mask must have shape \(1 or 2, 1 or 4, 1 or 11, 11\).* got \(2, 1, 11, 9\)",
+    ),
     (torch.zeros(2, 3, 11, 11), ValueError, r"got \(2, 3, 11, 11\)"),
     (torch.ones(2, 1, 11, 11, dtype=torch.long), TypeError, r"4-D attention_mask must be bool .* or floating .*, got torch.int64"),
 ]
@@ -194,17 +211,36 @@ def _dense(B=2, H=4, H_kv=2, S=16, D=64):
 
 
 CORE_CALLS = [
-    ("cu_seqlens on the host", lambda q, k, v, cu, cu_host: cudnn_attention.varlen_attention(q, k, v, cu_host, cu, 13, 13), ValueError,
-     r"cu_seqlens_q must be on cuda:0 like q, got cpu"),
-    ("cu_seqlens int16", lambda q, k, v, cu, cu_host: cudnn_attention.varlen_attention(q, k, v, cu, cu.to(torch.int16), 13, 13), TypeError,
-     r"cu_seqlens_kv must be int32 or int64, got torch.int16"),
-    ("document counts differ", lambda q, k, v, cu, cu_host: cudnn_attention.varlen_attention(q, k, v, cu, cu[::2].contiguous(), 13, 13),
-     ValueError, r"cu_seqlens_q and cu_seqlens_kv describe different batch sizes: 2 and 1"),
-    ("sinks of the wrong length", lambda q, k, v, cu, cu_host: cudnn_attention.varlen_attention(q, k, v, cu, cu, 13, 13,
-                                                                                      sinks=torch.zeros(3, device=DEVICE)),
-     ValueError, r"sinks must have shape \(4,\).*got \(3,\)"),
-    ("seqlens of the wrong length", lambda q, k, v, cu, cu_host: cudnn_attention.attention(*_dense(), seqlens_q=cu), ValueError,
-     r"seqlens_q must have shape \(2,\).*got \(3,\)"),
+    (
+        "cu_seqlens on the host",
+        lambda q, k, v, cu, cu_host: cudnn_attention.varlen_attention(q, k, v, cu_host, cu, 13, 13),
+        ValueError,
+        r"cu_seqlens_q must be on cuda:0 like q, got cpu",
+    ),
+    (
+        "cu_seqlens int16",
+        lambda q, k, v, cu, cu_host: cudnn_attention.varlen_attention(q, k, v, cu, cu.to(torch.int16), 13, 13),
+        TypeError,
+        r"cu_seqlens_kv must be int32 or int64, got torch.int16",
+    ),
+    (
+        "document counts differ",
+        lambda q, k, v, cu, cu_host: cudnn_attention.varlen_attention(q, k, v, cu, cu[::2].contiguous(), 13, 13),
+        ValueError,
+        r"cu_seqlens_q and cu_seqlens_kv describe different batch sizes: 2 and 1",
+    ),
+    (
+        "sinks of the wrong length",
+        lambda q, k, v, cu, cu_host: cudnn_attention.varlen_attention(q, k, v, cu, cu, 13, 13, sinks=torch.zeros(3, device=DEVICE)),
+        ValueError,
+        r"sinks must have shape \(4,\).*got \(3,\)",
+    ),
+    (
+        "seqlens of the wrong length",
+        lambda q, k, v, cu, cu_host: cudnn_attention.attention(*_dense(), seqlens_q=cu),
+        ValueError,
+        r"seqlens_q must have shape \(2,\).*got \(3,\)",
+    ),
 ]
 
 

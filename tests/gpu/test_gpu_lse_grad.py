@@ -11,12 +11,12 @@ import itertools
 
 import pytest
 import torch
-from support.reference64 import compare_tensors, evaluate_call, reference_attention
-from support.sync_debug import warm_and_run
 
 import cudnn_attention
 from cudnn_attention import cudnn_ops, launch
 from cudnn_attention import plan as plans
+from support.reference64 import compare_tensors, evaluate_call, reference_attention
+from support.sync_debug import warm_and_run
 
 pytestmark = pytest.mark.gpu
 DEVICE = "cuda"
@@ -176,7 +176,9 @@ def test_opcheck_with_the_lse_gradient():
     (q, k, v, cu_q, cu_kv, mq, mk), _ = _packed_args(PACKED["queries_without_keys_window"], torch.bfloat16)
     sinks = torch.randn(q.shape[1], device=DEVICE, requires_grad=True)
     options = dict(cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv, max_seqlen_q=mq, max_seqlen_kv=mk, scale=0.125, window_left=32, window_right=0)
-    torch.library.opcheck(torch.ops.cudnn_attention.forward.default, (q, k, v, sinks), dict(options, need_lse=True))  # causal, window (32, 0)
+    torch.library.opcheck(
+        torch.ops.cudnn_attention.forward.default, (q, k, v, sinks), dict(options, need_lse=True)
+    )  # causal, window (32, 0)
 
 
 @pytest.mark.parametrize("api", ["dense", "varlen"])

@@ -28,15 +28,43 @@ pytestmark = pytest.mark.gpu
 
 CASES = {
     "te-3249": dict(dtype=torch.bfloat16, heads=(64, 8), d=192, causal=True, window=(511, 0), docs_q=[2] + [598] * 8),
-    "head-major-one-key-tail": dict(dtype=torch.float16, heads=(32, 8), d=192, causal=True, window=(1, 0),
-                                    docs_q=[127, 500, 1, 1023, 50, 127, 1, 32], tail=5, storage="head_major"),
-    "q-kv-lengths-differ": dict(dtype=torch.float16, heads=(8, 8), d=256, causal=True, window=(1, 0),
-                                docs_q=[100, 100, 256, 513, 2047], docs_kv=[101, 117, 556, 530, 2048], tail=5),
-    "interleaved-kv-bottom-right": dict(dtype=torch.bfloat16, heads=(32, 8), d=80, causal=True, window=(1, 0), bottom_right=True,
-                                        scale=0.05, docs_q=[32, 1, 50, 500, 1023, 3, 128, 1], docs_kv=[32, 1, 58, 508, 1024, 153, 278, 1],
-                                        tail=5, storage="interleaved", grads=False),
-    "window-3-5-bottom-right": dict(dtype=torch.bfloat16, heads=(32, 4), d=256, window=(3, 5), bottom_right=True, docs_q=[1000, 100],
-                                    tail=64),
+    "head-major-one-key-tail": dict(
+        dtype=torch.float16,
+        heads=(32, 8),
+        d=192,
+        causal=True,
+        window=(1, 0),
+        docs_q=[127, 500, 1, 1023, 50, 127, 1, 32],
+        tail=5,
+        storage="head_major",
+    ),
+    "q-kv-lengths-differ": dict(
+        dtype=torch.float16,
+        heads=(8, 8),
+        d=256,
+        causal=True,
+        window=(1, 0),
+        docs_q=[100, 100, 256, 513, 2047],
+        docs_kv=[101, 117, 556, 530, 2048],
+        tail=5,
+    ),
+    "interleaved-kv-bottom-right": dict(
+        dtype=torch.bfloat16,
+        heads=(32, 8),
+        d=80,
+        causal=True,
+        window=(1, 0),
+        bottom_right=True,
+        scale=0.05,
+        docs_q=[32, 1, 50, 500, 1023, 3, 128, 1],
+        docs_kv=[32, 1, 58, 508, 1024, 153, 278, 1],
+        tail=5,
+        storage="interleaved",
+        grads=False,
+    ),
+    "window-3-5-bottom-right": dict(
+        dtype=torch.bfloat16, heads=(32, 4), d=256, window=(3, 5), bottom_right=True, docs_q=[1000, 100], tail=64
+    ),
     "no-mask-bottom-right": dict(dtype=torch.bfloat16, heads=(64, 8), d=192, bottom_right=True, docs_q=[255, 256], tail=5),
     "window-128-d256": dict(dtype=torch.float16, heads=(16, 2), d=256, causal=True, window=(128, 0), docs_q=[100, 100, 1000, 7, 256]),
 }
@@ -63,8 +91,14 @@ def _inputs(case: dict, seed: int):
     if grads:
         q, k, v = (t.detach().requires_grad_() for t in (q, k, v))  # leaves in the given layout
     args = (q, k, v, cu_q, cu_kv, max(docs_q), max(docs_kv))
-    kwargs = dict(scale=case.get("scale"), causal=case.get("causal", False), bottom_right=case.get("bottom_right", False),
-                  window_size=case.get("window", (-1, -1)), sinks=sinks, return_lse=True)  # fmt: skip
+    kwargs = dict(
+        scale=case.get("scale"),
+        causal=case.get("causal", False),
+        bottom_right=case.get("bottom_right", False),
+        window_size=case.get("window", (-1, -1)),
+        sinks=sinks,
+        return_lse=True,
+    )
     return args, kwargs, grads
 
 

@@ -195,9 +195,20 @@ LAYERS, STEPS = 3, 3
 def _gpu_trainer(tmp_path, callbacks, logger=False):
     from lightning.pytorch import Trainer
 
-    return Trainer(accelerator="gpu", devices=1, precision="bf16-mixed", max_steps=STEPS, callbacks=callbacks, logger=logger, log_every_n_steps=1,
-                   enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                   default_root_dir=str(tmp_path))  # fmt: skip
+    return Trainer(
+        accelerator="gpu",
+        devices=1,
+        precision="bf16-mixed",
+        max_steps=STEPS,
+        callbacks=callbacks,
+        logger=logger,
+        log_every_n_steps=1,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        default_root_dir=str(tmp_path),
+    )
 
 
 def _model(kv_heads=2):

@@ -39,8 +39,15 @@ def test_trainer_recipe_runs_on_cudnn_in_strict_mode(recipe, tmp_path):
 
 
 def test_lightning_recipe_runs_on_cudnn_in_strict_mode(tmp_path):
-    payload = _recipe("train_lightning").main(["--model.size=small", "--model.strict=true", f"--trainer.max_steps={STEPS}",
-                                    f"--trainer.default_root_dir={tmp_path}", "--trainer.enable_progress_bar=false"])  # fmt: skip
+    payload = _recipe("train_lightning").main(
+        [
+            "--model.size=small",
+            "--model.strict=true",
+            f"--trainer.max_steps={STEPS}",
+            f"--trainer.default_root_dir={tmp_path}",
+            "--trainer.enable_progress_bar=false",
+        ]
+    )
     run = payload["runs"]["cudnn"]
     assert run["steps"] == STEPS and payload["config"]["precision"] == "bf16-true"
     _served_by_cudnn_only(run)

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import cudnn_attention
-from support.child_process import run_python
 from cudnn_attention.masking import make_mask_spec
 from cudnn_attention.reference import dense_reference, varlen_reference
+from support.child_process import run_python
 from support.gpu_checks import check_dense, poison_allocator
 from support.tolerances import assert_within_lowp_noise
 
@@ -40,12 +40,18 @@ def test_rows_without_queries_or_keys_are_zero_with_zero_gradient(seqlens_q, seq
 
 def test_negative_and_oversized_lengths_are_clamped_like_on_cpu():
     q, k, v = _dense()
-    got = cudnn_attention.attention(q, k, v, causal=True, seqlens_q=torch.tensor([-3, 70, 5], device=DEVICE),
-                                    seqlens_kv=torch.tensor([10, 99, -1], device=DEVICE))  # fmt: skip
-    want = cudnn_attention.attention(q, k, v, causal=True, seqlens_q=torch.tensor([0, 64, 5], device=DEVICE),
-                                     seqlens_kv=torch.tensor([10, 64, 0], device=DEVICE))  # fmt: skip
-    cpu = cudnn_attention.attention(*(t.detach().cpu().float() for t in (q, k, v)), causal=True,
-                                    seqlens_q=torch.tensor([-3, 70, 5]), seqlens_kv=torch.tensor([10, 99, -1]))  # fmt: skip
+    got = cudnn_attention.attention(
+        q, k, v, causal=True, seqlens_q=torch.tensor([-3, 70, 5], device=DEVICE), seqlens_kv=torch.tensor([10, 99, -1], device=DEVICE)
+    )
+    want = cudnn_attention.attention(
+        q, k, v, causal=True, seqlens_q=torch.tensor([0, 64, 5], device=DEVICE), seqlens_kv=torch.tensor([10, 64, 0], device=DEVICE)
+    )
+    cpu = cudnn_attention.attention(
+        *(t.detach().cpu().float() for t in (q, k, v)),
+        causal=True,
+        seqlens_q=torch.tensor([-3, 70, 5]),
+        seqlens_kv=torch.tensor([10, 99, -1]),
+    )
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     assert got[0].abs().max() == 0 and got[2].abs().max() == 0
     torch.testing.assert_close(got.float().cpu(), cpu, rtol=2e-2, atol=2e-2)
@@ -74,8 +80,12 @@ def test_non_positive_scale_is_served_exactly_by_cudnn(scale, packed):
         leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
         expected = ref(*leaves, dtype=dtype)
         results[dtype] = (expected, torch.autograd.grad(expected, leaves, grad_out.to(dtype)))
-    for name, got, want, base in zip(("out", "dq", "dk", "dv"), (out, *grads), (results[torch.float32][0], *results[torch.float32][1]),
-                                     (results[q.dtype][0], *results[q.dtype][1])):  # fmt: skip
+    for name, got, want, base in zip(
+        ("out", "dq", "dk", "dv"),
+        (out, *grads),
+        (results[torch.float32][0], *results[torch.float32][1]),
+        (results[q.dtype][0], *results[q.dtype][1]),
+    ):
         assert torch.isfinite(got).all(), name
         assert_within_lowp_noise(name, got, want, base)
 
@@ -202,8 +212,13 @@ def test_dsink_error_over_a_grid(capsys):
     float64 identity applied to the kernel's own O and LSE to float32 accuracy, and its error against the
     float64 reference is what the kernel's bf16 O implies (printed beside the flash-style and bf16-autograd
     errors, as a table)."""
-    from support.reference64 import (compare_tensors, flash_style_dsinks, implied_dsinks_error, reference_attention,
-                                     reference_varlen_attention)
+    from support.reference64 import (
+        compare_tensors,
+        flash_style_dsinks,
+        implied_dsinks_error,
+        reference_attention,
+        reference_varlen_attention,
+    )
 
     rows = []
     for layout, lengths, H, H_kv, D, causal, left in _DSINK_GRID:
@@ -214,17 +229,21 @@ def test_dsink_error_over_a_grid(capsys):
             cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=DEVICE, dtype=torch.int32)
             shapes = [(T, h, D) for h in (H, H_kv, H_kv)]
             call = lambda q, k, v, s: cudnn_attention.varlen_attention(  # noqa: E731
-                q, k, v, cu, cu, longest, longest, window_size=window, sinks=s, return_lse=True)
+                q, k, v, cu, cu, longest, longest, window_size=window, sinks=s, return_lse=True
+            )
             ref_call = lambda q, k, v, s, dt: reference_varlen_attention(  # noqa: E731
-                q, k, v, cu, cu, window_size=window, sinks=s, return_lse=True, compute_dtype=dt)
+                q, k, v, cu, cu, window_size=window, sinks=s, return_lse=True, compute_dtype=dt
+            )
         else:
             B, S = len(lengths), max(lengths)
             seqlens = torch.tensor(lengths, device=DEVICE, dtype=torch.int32)
             shapes = [(B, h, S, D) for h in (H, H_kv, H_kv)]
             call = lambda q, k, v, s: cudnn_attention.attention(  # noqa: E731
-                q, k, v, window_size=window, sinks=s, seqlens_q=seqlens, seqlens_kv=seqlens, return_lse=True)
+                q, k, v, window_size=window, sinks=s, seqlens_q=seqlens, seqlens_kv=seqlens, return_lse=True
+            )
             ref_call = lambda q, k, v, s, dt: reference_attention(  # noqa: E731
-                q, k, v, window_size=window, sinks=s, seqlens_q=seqlens, seqlens_kv=seqlens, return_lse=True, compute_dtype=dt)
+                q, k, v, window_size=window, sinks=s, seqlens_q=seqlens, seqlens_kv=seqlens, return_lse=True, compute_dtype=dt
+            )
         q, k, v = (torch.randn(shape, device=DEVICE, dtype=torch.bfloat16) for shape in shapes)
         sinks = torch.randn(H, device=DEVICE, requires_grad=True)
         out, lse = call(q, k, v, sinks)
@@ -250,10 +269,14 @@ def test_dsink_error_over_a_grid(capsys):
         assert reduction <= 1e-5, (layout, lengths, reduction)  # float32 end to end (a bf16 step would be ~4e-3)
         assert check["ok"], (layout, lengths, check["why"], err, implied, flash, low)
     with capsys.disabled():
-        print("\n| layout | lengths | H | D | window | reduction vs fp64 identity on own O | dSink err | implied by O | flash-style (bf16 O) | bf16 autograd |")
+        print(
+            "\n| layout | lengths | H | D | window | reduction vs fp64 identity on own O | dSink err | implied by O | flash-style (bf16 O) | bf16 autograd |"
+        )
         print("|---|---|---|---|---|---|---|---|---|---|")
         for layout, lengths, H, D, window, reduction, err, implied, flash, low in rows:
-            print(f"| {layout} | {lengths} | {H} | {D} | {window} | {reduction:.1e} | {err:.2e} | {implied:.2e} | {flash:.2e} | {low:.2e} |")
+            print(
+                f"| {layout} | {lengths} | {H} | {D} | {window} | {reduction:.1e} | {err:.2e} | {implied:.2e} | {flash:.2e} | {low:.2e} |"
+            )
 
 
 def test_a_short_script_exits_without_the_frontends_leak_report():

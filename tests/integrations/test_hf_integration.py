@@ -5,7 +5,6 @@ import torch
 
 import cudnn_attention
 from cudnn_attention.integrations.hf import _compat
-
 from support.child_process import python_output
 
 transformers = pytest.importorskip("transformers")
@@ -64,11 +63,14 @@ def test_import_adds_one_removable_hook_and_imports_no_framework():
 def test_the_name_is_registered_whichever_is_imported_first(order):
     imports = ["import cudnn_attention", "import transformers.modeling_utils"]
     code = "\n".join(
-        ["import sys", *(imports if order == "cudnn_attention first" else imports[::-1]),
-         "from cudnn_attention.integrations import hf",
-         "assert not any(type(f).__name__ == 'RegisterOnLoad' for f in sys.meta_path)",  # fired (or never needed)
-         "print(hf.is_registered())"]
-    )  # fmt: skip
+        [
+            "import sys",
+            *(imports if order == "cudnn_attention first" else imports[::-1]),
+            "from cudnn_attention.integrations import hf",
+            "assert not any(type(f).__name__ == 'RegisterOnLoad' for f in sys.meta_path)",  # fired (or never needed)
+            "print(hf.is_registered())",
+        ]
+    )
     assert python_output(code) == "True"
 
 
@@ -261,24 +263,37 @@ def test_mask_function_limits_static_cache_keys():
     # A static cache's unwritten slots are told by the mask's width (the keys written), never by zeros in it.
     from cudnn_attention.integrations.hf import cudnn_attention_mask
 
-    keep = cudnn_attention_mask(batch_size=2, q_length=1, kv_length=8, q_offset=torch.tensor(4), kv_offset=0, attention_mask=None, device="cpu")
+    keep = cudnn_attention_mask(
+        batch_size=2, q_length=1, kv_length=8, q_offset=torch.tensor(4), kv_offset=0, attention_mask=None, device="cpu"
+    )
     assert keep.shape == (2, 5) and keep.all()
     padding = torch.tensor([[0, 1, 1, 1, 1], [1, 1, 1, 1, 1]], dtype=torch.bool)
     keep = cudnn_attention_mask(batch_size=2, q_length=1, kv_length=8, q_offset=4, kv_offset=0, attention_mask=padding)
     assert keep.tolist() == padding.tolist()
-    assert cudnn_attention_mask(batch_size=2, q_length=5, kv_length=5, q_offset=0, attention_mask=torch.ones(2, 5, dtype=torch.bool)) is None
+    assert (
+        cudnn_attention_mask(batch_size=2, q_length=5, kv_length=5, q_offset=0, attention_mask=torch.ones(2, 5, dtype=torch.bool)) is None
+    )
     trailing = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 0]], dtype=torch.bool)  # every row ends with padding: still 5 written keys
     assert cudnn_attention_mask(batch_size=2, q_length=5, kv_length=5, q_offset=0, attention_mask=trailing).shape == (2, 5)
 
 
 def test_mask_function_traces_without_data_dependent_branches():
     # What compiled decoding with a static cache runs: q_offset a tensor, a padded 2-D mask whose values are unknown.
-    from cudnn_attention.integrations.hf import cudnn_attention_mask
     from transformers.masking_utils import causal_mask_function
 
+    from cudnn_attention.integrations.hf import cudnn_attention_mask
+
     def build_mask(attention_mask, q_offset):
-        return cudnn_attention_mask(batch_size=2, q_length=1, kv_length=8, q_offset=q_offset, kv_offset=0, mask_function=causal_mask_function,
-                                    attention_mask=attention_mask, device="cpu")  # fmt: skip
+        return cudnn_attention_mask(
+            batch_size=2,
+            q_length=1,
+            kv_length=8,
+            q_offset=q_offset,
+            kv_offset=0,
+            mask_function=causal_mask_function,
+            attention_mask=attention_mask,
+            device="cpu",
+        )
 
     compiled = torch.compile(build_mask, fullgraph=True, backend="eager")
     padding = torch.tensor([[0, 1, 1, 1, 1], [1, 1, 1, 1, 1]], dtype=torch.bool)
@@ -456,10 +471,16 @@ BAD_FLASH_KWARGS = [
     ({"max_length_k": None}, ValueError, r"cu_seq_lens_q, cu_seq_lens_k, max_length_q and max_length_k go together.* without max_length_k"),
     ({"cu_seq_lens_k": None, "max_length_k": None}, ValueError, r"go together.* without cu_seq_lens_k, max_length_k"),
     ({"cu_seq_lens_q": torch.tensor([0.0, 3.0, 8.0])}, TypeError, r"cu_seq_lens_q must be int32 or int64, got torch.float32"),
-    ({"cu_seq_lens_q": torch.tensor([0, 3, 5, 8], dtype=torch.int32)}, ValueError,
-     r"cu_seq_lens_q and cu_seq_lens_k describe different batch sizes: 3 and 2"),
-    ({"cu_seq_lens_k": torch.tensor([[0, 3, 8]], dtype=torch.int32)}, ValueError,
-     r"cu_seq_lens_k must be 1-D with B \+ 1 >= 2 entries, got shape \(1, 3\)"),
+    (
+        {"cu_seq_lens_q": torch.tensor([0, 3, 5, 8], dtype=torch.int32)},
+        ValueError,
+        r"cu_seq_lens_q and cu_seq_lens_k describe different batch sizes: 3 and 2",
+    ),
+    (
+        {"cu_seq_lens_k": torch.tensor([[0, 3, 8]], dtype=torch.int32)},
+        ValueError,
+        r"cu_seq_lens_k must be 1-D with B \+ 1 >= 2 entries, got shape \(1, 3\)",
+    ),
 ]
 
 
@@ -497,16 +518,24 @@ def _padded_ones(batch, width, padded=2):
 SHORT_MASKS = {
     # The user's report: input_ids (2, 11), mask (2, 8) with the default cache. The queries were read as the last 11 of 8
     # keys: an out-of-bounds gather (CPU: "INDICES element is out of DATA bounds", CUDA: CUBLAS_STATUS_INTERNAL_ERROR).
-    "with a cache": (lambda model, ids: model(ids, attention_mask=torch.ones(2, 8, dtype=torch.long)),
-                     r"attention_mask has 8 columns, but the keys number 11 \(0 cached \+ 11 new\)"),
+    "with a cache": (
+        lambda model, ids: model(ids, attention_mask=torch.ones(2, 8, dtype=torch.long)),
+        r"attention_mask has 8 columns, but the keys number 11 \(0 cached \+ 11 new\)",
+    ),
     # Without a cache transformers takes the key count from the mask itself; the attention function sees the 11 queries.
-    "padded, no cache": (lambda model, ids: model(ids, attention_mask=_padded_ones(2, 8), use_cache=False),
-                         r"attention_mask has 8 columns \(keys\), fewer than the 11 new tokens"),
+    "padded, no cache": (
+        lambda model, ids: model(ids, attention_mask=_padded_ones(2, 8), use_cache=False),
+        r"attention_mask has 8 columns \(keys\), fewer than the 11 new tokens",
+    ),
     # Once served without a word: the 5 new tokens were read as keys 0..4 and attended to nothing after them.
-    "after a prefill": (lambda model, ids: _past_then(model, ids, 6, 5),
-                        r"attention_mask has 5 columns, but the keys number 11 \(6 cached \+ 5 new\)"),
-    "one short after a prefill": (lambda model, ids: _past_then(model, ids, 6, 10),
-                                  r"attention_mask has 10 columns, but the keys number 11 \(6 cached \+ 5 new\)"),
+    "after a prefill": (
+        lambda model, ids: _past_then(model, ids, 6, 5),
+        r"attention_mask has 5 columns, but the keys number 11 \(6 cached \+ 5 new\)",
+    ),
+    "one short after a prefill": (
+        lambda model, ids: _past_then(model, ids, 6, 10),
+        r"attention_mask has 10 columns, but the keys number 11 \(6 cached \+ 5 new\)",
+    ),
 }
 
 
@@ -536,8 +565,11 @@ BAD_MASKS = [
     (torch.ones(1, 11, dtype=torch.long), ValueError, r"attention_mask has 1 rows for a batch of 2"),
     (torch.ones(2, 11, 11, dtype=torch.bool), ValueError, r"attention_mask must be 2-D \(batch, keys\) or 4-D .*got shape \(2, 11, 11\)"),
     # 4-D masks go to the model's eager attention as they are; a wrong shape there broke only after the scores were computed.
-    (torch.ones(2, 1, 11, 9, dtype=torch.bool), ValueError,
-     r"4-D attention_mask must have shape \(1 or 2, 1 or 4, 1 or 11, 11\).* got \(2, 1, 11, 9\)"),
+    (
+        torch.ones(2, 1, 11, 9, dtype=torch.bool),
+        ValueError,
+        r"4-D attention_mask must have shape \(1 or 2, 1 or 4, 1 or 11, 11\).* got \(2, 1, 11, 9\)",
+    ),
     (torch.zeros(1, 1, 11, 13), ValueError, r"4-D attention_mask must have shape \(1 or 2, 1 or 4, 1 or 11, 11\).* got \(1, 1, 11, 13\)"),
     (torch.ones(2, 3, 11, 11, dtype=torch.bool), ValueError, r"got \(2, 3, 11, 11\)"),
     (torch.ones(3, 1, 11, 11, dtype=torch.bool), ValueError, r"got \(3, 1, 11, 11\)"),

@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 
 from cudnn_attention.integrations.hf import launch
-
 from support.child_process import last_json
 
 transformers = pytest.importorskip("transformers")
@@ -54,9 +53,18 @@ def checkpoint(tmp_path_factory) -> Path:
     inner.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     inner.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>", "<eos>", "<pad>"], show_progress=False))
     tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=inner, unk_token="<unk>", eos_token="<eos>", pad_token="<pad>")
-    config = transformers.LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                                      pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None)  # fmt: skip
+    config = transformers.LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+    )
     tokenizer.save_pretrained(root / "model")
     transformers.LlamaForCausalLM(config).save_pretrained(root / "model")
     (root / "data").mkdir()
@@ -156,9 +164,29 @@ def test_trl_sft_command_line(checkpoint, tmp_path):
     # `trl sft` re-launches itself through accelerate launch: the model loads in a child process. Packing
     # (best-fit decreasing) implies padding_free. Without the launcher transformers refuses the name, as the
     # test above shows on a smaller command.
-    command = [trl, "sft", "--model_name_or_path", str(checkpoint / "model"), "--dataset_name", str(checkpoint / "data"),
-               "--attn_implementation", "cudnn", "--packing", "--max_length", "64", "--per_device_train_batch_size", "2",
-               "--max_steps", "1", "--output_dir", str(tmp_path / "out"), "--report_to", "none", "--save_strategy", "no",
-               "--use_cpu"]  # fmt: skip
+    command = [
+        trl,
+        "sft",
+        "--model_name_or_path",
+        str(checkpoint / "model"),
+        "--dataset_name",
+        str(checkpoint / "data"),
+        "--attn_implementation",
+        "cudnn",
+        "--packing",
+        "--max_length",
+        "64",
+        "--per_device_train_batch_size",
+        "2",
+        "--max_steps",
+        "1",
+        "--output_dir",
+        str(tmp_path / "out"),
+        "--report_to",
+        "none",
+        "--save_strategy",
+        "no",
+        "--use_cpu",
+    ]
     result = _run(command, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]

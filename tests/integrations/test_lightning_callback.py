@@ -18,8 +18,7 @@ from lightning.pytorch.loggers import Logger
 import cudnn_attention
 from cudnn_attention import provider
 from cudnn_attention.integrations.hf import _compat
-from cudnn_attention.integrations.lightning import CudnnAttention, fabric_attention
-from cudnn_attention.integrations.lightning import factory
+from cudnn_attention.integrations.lightning import CudnnAttention, fabric_attention, factory
 from support.lightning_models import TinyLlamaModule, tiny_llama
 
 LAYERS, STEPS = 2, 2
@@ -35,9 +34,16 @@ def _no_flags_from_the_environment(monkeypatch):
 
 def _trainer_options(tmp_path, **overrides):
     options = {
-        "accelerator": "cpu", "devices": 1, "max_steps": STEPS, "logger": False, "enable_checkpointing": False, "enable_progress_bar": False,
-        "enable_model_summary": False, "default_root_dir": str(tmp_path), "num_sanity_val_steps": 0,
-    }  # fmt: skip
+        "accelerator": "cpu",
+        "devices": 1,
+        "max_steps": STEPS,
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "default_root_dir": str(tmp_path),
+        "num_sanity_val_steps": 0,
+    }
     options.update(overrides)
     return options
 
@@ -45,9 +51,18 @@ def _trainer_options(tmp_path, **overrides):
 def _cli(tmp_path, *extra):
     from lightning.pytorch.cli import LightningCLI
 
-    args = ["fit", "--trainer.accelerator=cpu", "--trainer.devices=1", f"--trainer.max_steps={STEPS}", "--trainer.logger=false",
-            "--trainer.enable_checkpointing=false", "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
-            f"--trainer.default_root_dir={tmp_path}", *extra]  # fmt: skip
+    args = [
+        "fit",
+        "--trainer.accelerator=cpu",
+        "--trainer.devices=1",
+        f"--trainer.max_steps={STEPS}",
+        "--trainer.logger=false",
+        "--trainer.enable_checkpointing=false",
+        "--trainer.enable_progress_bar=false",
+        "--trainer.enable_model_summary=false",
+        f"--trainer.default_root_dir={tmp_path}",
+        *extra,
+    ]
     return LightningCLI(TinyLlamaModule, save_config_callback=None, args=args)
 
 
@@ -168,9 +183,9 @@ def test_entry_point_reaches_every_trainer_only_when_requested(monkeypatch, tmp_
 
 def test_pytorch_lightning_namespace_gets_its_own_class(monkeypatch, tmp_path):
     pl = pytest.importorskip("pytorch_lightning")
-    from cudnn_attention.integrations.lightning.pytorch_lightning import CudnnAttention as PLCudnnAttention
-
     from lightning.pytorch import Callback
+
+    from cudnn_attention.integrations.lightning.pytorch_lightning import CudnnAttention as PLCudnnAttention
 
     assert issubclass(PLCudnnAttention, pl.Callback) and not issubclass(PLCudnnAttention, Callback)
     monkeypatch.setenv(factory.ENV_VAR, "1")

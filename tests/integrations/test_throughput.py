@@ -81,8 +81,17 @@ def test_throughput_monitor_logs_mfu_with_given_peak(tmp_path):
         batch_size_fn=lambda batch: batch[0].shape[0], length_fn=lambda batch: batch[0].numel(), available_flops=1e12, window_size=2
     )
     logger = CSVLogger(tmp_path)
-    trainer = Trainer(accelerator="cpu", devices=1, max_steps=3, logger=logger, log_every_n_steps=1, callbacks=[monitor],
-                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=3,
+        logger=logger,
+        log_every_n_steps=1,
+        callbacks=[monitor],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(Linear())
     assert monitor.available_flops == 1e12
     logger.experiment.save()

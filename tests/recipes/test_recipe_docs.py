@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 import pytest
+
 from cudnn_attention.recipes.common.errors import EXTRAS
 
 ROOT = Path(__file__).resolve().parents[2]

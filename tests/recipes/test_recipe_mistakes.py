@@ -9,9 +9,10 @@ import sys
 import warnings
 from pathlib import Path
 
-import cudnn_attention
 import pytest
 import torch
+
+import cudnn_attention
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("matplotlib")

@@ -21,7 +21,6 @@ from cudnn_attention.recipes.common import (
     model_shape,
     pack_documents,
 )
-
 from support.benchmark_scripts import check_in_script, run_script
 
 pytestmark = pytest.mark.no_gpu  # the recipes on a CPU machine; on a GPU they would take it (tests/gpu/test_gpu_recipes.py)
@@ -184,6 +183,7 @@ def test_causal_pairs():
 def test_local_checkpoint_tokenizer_and_jsonl_dataset(tmp_path):
     """Bring your own: a local checkpoint directory with its tokenizer, and a .jsonl file (all made here, no download)."""
     import pydoc_data.topics
+
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -203,8 +203,22 @@ def test_local_checkpoint_tokenizer_and_jsonl_dataset(tmp_path):
     from cudnn_attention.recipes import train_sliding_window
 
     out = tmp_path / "run"
-    payload = train_sliding_window.main(["--checkpoint", str(checkpoint), "--dataset", str(data), "--text_field", "body", "--max_steps", "2",
-                                         "--tokens_per_step", "256", "--output_dir", str(out)])  # fmt: skip
+    payload = train_sliding_window.main(
+        [
+            "--checkpoint",
+            str(checkpoint),
+            "--dataset",
+            str(data),
+            "--text_field",
+            "body",
+            "--max_steps",
+            "2",
+            "--tokens_per_step",
+            "256",
+            "--output_dir",
+            str(out),
+        ]
+    )
     run = payload["runs"]["cudnn"]
     assert run["steps"] == 2 and run["real_tokens"] == 512 and (out / "loss.png").exists()
     assert run["run"]["stats"]["fallback_forward"] == {"cpu tensors": 2 * 2}
@@ -308,8 +322,9 @@ def test_lightning_recipe_clips_gradients_by_norm_under_fsdp():
     strategy = FSDPStrategy()
     strategy.model = FSDPRoot()
     module = train_lightning.PackedCausalLM(size="tiny")
-    module._trainer = SimpleNamespace(strategy=strategy, precision_plugin=FSDPPrecision("bf16-true"), gradient_clip_val=1.0,
-                                      gradient_clip_algorithm="norm")  # fmt: skip
+    module._trainer = SimpleNamespace(
+        strategy=strategy, precision_plugin=FSDPPrecision("bf16-true"), gradient_clip_val=1.0, gradient_clip_algorithm="norm"
+    )
     optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)  # the model is built later, in configure_model
     module.configure_gradient_clipping(optimizer, gradient_clip_val=1.0, gradient_clip_algorithm="norm")
     assert clipped == [1.0]

@@ -30,7 +30,6 @@ from cudnn_attention.recipes.common import (
     warn_if_repeated,
 )
 from cudnn_attention.recipes.common.hf_trainer import parse
-
 from support.benchmark_scripts import run_script
 
 pytestmark = pytest.mark.no_gpu  # the recipes on a CPU machine; on a GPU they would take it (tests/gpu/test_gpu_recipes.py)
@@ -147,7 +146,9 @@ def test_user_mistakes_are_one_line_errors(tmp_path):
 
 def test_a_mistake_on_the_command_line_ends_in_one_line_without_a_traceback(tmp_path):
     script = ROOT / "recipes" / "train_sliding_window.py"
-    done = subprocess.run([sys.executable, str(script), "--dataset", "book.txt"], cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False)
+    done = subprocess.run(
+        [sys.executable, str(script), "--dataset", "book.txt"], cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False
+    )
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     assert done.stderr.strip().splitlines()[-1] == (
         "train_sliding_window.py: error: dataset 'book.txt' is not a local file: pass the path of a .txt or .jsonl file (nothing is downloaded)"
@@ -195,8 +196,11 @@ def _result(name: str, losses: list[float], *, stats: dict | None = None) -> Run
 
 def test_loss_plot_integer_steps_one_colour_per_implementation_and_fallback_named():
     fallback = {"cudnn_forward": 0, "fallback_forward": {"cpu tensors": 10}}
-    results = {"cudnn": _result("cudnn", [5.0, 4.9, 4.8, 4.7, 4.6], stats=fallback), "eager": _result("eager", [5.0, 4.9, 4.8, 4.7, 4.6]),
-               "sdpa": _result("sdpa", [5.0, 4.91, 4.8, 4.72, 4.6])}  # fmt: skip
+    results = {
+        "cudnn": _result("cudnn", [5.0, 4.9, 4.8, 4.7, 4.6], stats=fallback),
+        "eager": _result("eager", [5.0, 4.9, 4.8, 4.7, 4.6]),
+        "sdpa": _result("sdpa", [5.0, 4.91, 4.8, 4.72, 4.6]),
+    }
     figure = draw_losses(results, title="t")
     figure.canvas.draw()
     _, differences = figure.axes
@@ -206,7 +210,9 @@ def test_loss_plot_integer_steps_one_colour_per_implementation_and_fallback_name
     assert colors["sdpa - eager"] == colors["sdpa"] != colors["eager"]  # sdpa's difference in sdpa's colour
     assert colors["cudnn (exact fallback, not cuDNN) - eager"] == colors["cudnn (exact fallback, not cuDNN)"]
     served = {"cudnn_forward": 8, "cudnn_backward": 8, "fallback_forward": {}}
-    assert [line.get_label() for line in draw_losses({"cudnn": _result("cudnn", [1.0, 0.9], stats=served)}, title="t").axes[0].get_lines()] == ["cudnn"]
+    assert [
+        line.get_label() for line in draw_losses({"cudnn": _result("cudnn", [1.0, 0.9], stats=served)}, title="t").axes[0].get_lines()
+    ] == ["cudnn"]
 
 
 def test_step_recorder_reports_live_what_the_summary_reports(monkeypatch):

@@ -23,12 +23,12 @@ import contextlib
 from typing import NamedTuple
 
 import torch
-from support.reference64 import _softmax_attention, dense_visibility, packed_visibility
 
 from cudnn_attention import _compat, cudnn_ops, launch
 from cudnn_attention import plan as plans
 from cudnn_attention.call import AttentionCall
 from cudnn_attention.plan import Plan
+from support.reference64 import _softmax_attention, dense_visibility, packed_visibility
 
 __all__ = ["EmulatedGraph", "emulated", "plan_for"]
 
@@ -77,6 +77,7 @@ def emulated(monkeypatch, *, op: bool = False):
         (_forward if graph.spec.direction == "forward" else _backward)(graph, operands)
 
     monkeypatch.setattr(launch, "execute", execute)
+
     # As the real plan.resolve: no plan while torch.compile traces (the op is what the graph gets).
     def resolve(q, k, v, call):
         return (None, None) if torch.compiler.is_compiling() else (plan_for(call), None)
@@ -134,8 +135,16 @@ def _forward(graph: EmulatedGraph, operands: list) -> None:
     q_N, k_N, v_N = (_nhsd(t, p).double() for t in (q, k, v))
     N, H, Q, D = q_N.shape
     H_kv = k_N.shape[1]
-    o, lse_value = _softmax_attention(q_N.reshape(N, H_kv, H // H_kv, Q, D), k_N, v_N, visible, row_valid, graph.call.scale,
-                                      None if sinks is None else sinks.double(), torch.float64)  # fmt: skip
+    o, lse_value = _softmax_attention(
+        q_N.reshape(N, H_kv, H // H_kv, Q, D),
+        k_N,
+        v_N,
+        visible,
+        row_valid,
+        graph.call.scale,
+        None if sinks is None else sinks.double(),
+        torch.float64,
+    )
     _nhsd(out, p).copy_(o.reshape(N, H, Q, -1))
     if lse is not None:
         _nhs(lse, p).copy_(lse_value.reshape(N, H, Q))

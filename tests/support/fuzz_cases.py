@@ -80,8 +80,17 @@ def _draw_family(seed: int, family: int, profile: str) -> dict:
     kind = r.choices(["dense", "padded", "packed"], weights=[3, 3, 4])[0]
     large = r.random() < p["large"]
     if large:
-        p = {**p, "seq": p["large_seq"], "batch": p["large_batch"], "docs": p["large_docs"], "doc_bound": p["large_doc_bound"],
-             "tokens": p["large_tokens"], "windows": p["large_windows"], "max_heads": p["large_max_heads"], "kv_heads": [1, 2, 4, 8]}
+        p = {
+            **p,
+            "seq": p["large_seq"],
+            "batch": p["large_batch"],
+            "docs": p["large_docs"],
+            "doc_bound": p["large_doc_bound"],
+            "tokens": p["large_tokens"],
+            "windows": p["large_windows"],
+            "max_heads": p["large_max_heads"],
+            "kv_heads": [1, 2, 4, 8],
+        }
     layouts = DENSE_LAYOUTS if kind != "packed" else PACKED_LAYOUTS
     layout = r.choices(layouts, weights=[3, 3, 2, 2])[0]
     ratio = r.choice([1, 2, 4, 8, "mqa"])
@@ -111,7 +120,9 @@ def _draw_family(seed: int, family: int, profile: str) -> dict:
             causal, right = True, r.choice([-1, 0])  # causal with a left window, right spelled -1 or 0
     fam.update(mask=mask, causal=causal, window_size=[left, right], bottom_right=r.random() < 0.5)
     scale_kind = r.choices(["default", "value", "zero", "negative"], weights=[50, 35, 5, 10])[0]
-    fam["scale"] = {"default": None, "value": r.choice([0.05, 0.125, 0.3, 1.0]), "zero": 0.0, "negative": r.choice([-0.125, -0.5])}[scale_kind]
+    fam["scale"] = {"default": None, "value": r.choice([0.05, 0.125, 0.3, 1.0]), "zero": 0.0, "negative": r.choice([-0.125, -0.5])}[
+        scale_kind
+    ]
     fam["sinks"] = r.choice(["float32", "input"]) if r.random() < 0.4 else None
     fam["grads"] = r.random() < 0.85
     fam["return_lse"] = r.random() < 0.3
@@ -252,8 +263,13 @@ def build_call(case: dict, device: str):
     """``(api, args, kwargs)`` for the case, with the data drawn from ``case["data_seed"]``."""
     dtype = getattr(torch, case["dtype"])
     torch.manual_seed(case["data_seed"])
-    kwargs = dict(scale=case["scale"], causal=case["causal"], bottom_right=case["bottom_right"], window_size=tuple(case["window_size"]),
-                  return_lse=case["return_lse"])  # fmt: skip
+    kwargs = dict(
+        scale=case["scale"],
+        causal=case["causal"],
+        bottom_right=case["bottom_right"],
+        window_size=tuple(case["window_size"]),
+        return_lse=case["return_lse"],
+    )
     if case["kind"] != "packed":
         (q, k, v), buf = _dense_inputs(case, dtype, device)
     else:
@@ -300,7 +316,6 @@ def served_path(stats: dict) -> str:
 def run_case(case: dict, device: str, *, floor_rel: float | None = None) -> dict:
     """Build, run and check one case; never raises. Returns a JSON-serializable record."""
     import cudnn_attention
-
     from support.reference64 import evaluate_call
 
     record = {"index": case["index"], "label": case_label(case), "ok": False, "path": "none", "backward_path": "none"}
@@ -308,12 +323,12 @@ def run_case(case: dict, device: str, *, floor_rel: float | None = None) -> dict
     try:
         api, args, kwargs = build_call(case, device)
         cudnn_attention.reset_stats()
-        result = evaluate_call("dense" if api == "dense" else "varlen", args, kwargs, grads=case["grads"], floor_rel=floor_rel,
-                               grad_seed=case["data_seed"] + 1)  # fmt: skip
+        result = evaluate_call(
+            "dense" if api == "dense" else "varlen", args, kwargs, grads=case["grads"], floor_rel=floor_rel, grad_seed=case["data_seed"] + 1
+        )
         stats = cudnn_attention.stats()
         record["path"] = served_path(stats)
-        record["backward_path"] = "cudnn" if stats["cudnn_backward"] else (
-            "fallback" if stats["fallback_backward"] else "none")  # fmt: skip
+        record["backward_path"] = "cudnn" if stats["cudnn_backward"] else ("fallback" if stats["fallback_backward"] else "none")
         if device.startswith("cuda"):
             torch.cuda.synchronize()
         record.update(ok=result["ok"], errors=result["error_summary"], failures=[c for c in result["checks"] if not c["ok"]])

@@ -13,8 +13,18 @@ def build(name: str, attn_implementation: str = "eager", dtype=torch.float32, de
     so bf16 comparisons route to every expert (k = 4), which keeps routing continuous."""
     import transformers as tf
 
-    common = dict(vocab_size=VOCAB, hidden_size=4 * head_dim, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0, eos_token_id=1, bos_token_id=2)  # fmt: skip
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=4 * head_dim,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=2,
+    )
     if name == "llama":
         config = tf.LlamaConfig(**common)
         cls = tf.LlamaForCausalLM
@@ -30,17 +40,34 @@ def build(name: str, attn_implementation: str = "eager", dtype=torch.float32, de
         config = tf.Qwen3Config(**common, head_dim=head_dim, use_sliding_window=True, sliding_window=4, max_window_layers=1)
         cls = tf.Qwen3ForCausalLM
     elif name == "gemma2":
-        config = tf.Gemma2Config(**common, head_dim=head_dim, sliding_window=4, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
-                                 query_pre_attn_scalar=head_dim)  # fmt: skip
+        config = tf.Gemma2Config(
+            **common,
+            head_dim=head_dim,
+            sliding_window=4,
+            attn_logit_softcapping=50.0,
+            final_logit_softcapping=30.0,
+            query_pre_attn_scalar=head_dim,
+        )
         cls = tf.Gemma2ForCausalLM
     elif name == "gemma3":
         # Text-only Gemma 3: no softcapping (so cuDNN serves it), sliding then full attention.
-        config = tf.Gemma3TextConfig(**common, head_dim=head_dim, sliding_window=4, query_pre_attn_scalar=head_dim,
-                                     layer_types=["sliding_attention", "full_attention"])  # fmt: skip
+        config = tf.Gemma3TextConfig(
+            **common,
+            head_dim=head_dim,
+            sliding_window=4,
+            query_pre_attn_scalar=head_dim,
+            layer_types=["sliding_attention", "full_attention"],
+        )
         cls = tf.Gemma3ForCausalLM
     elif name == "gpt_oss":
-        config = tf.GptOssConfig(**common, head_dim=head_dim, sliding_window=4, num_local_experts=4,
-                                 num_experts_per_tok=moe_top_k, layer_types=["sliding_attention", "full_attention"])  # fmt: skip
+        config = tf.GptOssConfig(
+            **common,
+            head_dim=head_dim,
+            sliding_window=4,
+            num_local_experts=4,
+            num_experts_per_tok=moe_top_k,
+            layer_types=["sliding_attention", "full_attention"],
+        )
         cls = tf.GptOssForCausalLM
     else:
         raise ValueError(name)
@@ -78,7 +105,8 @@ def padded_batch(docs, *, pad_to_multiple_of: int, padding_side: str = "right", 
     from tokenizers.models import WordLevel
     from transformers import DataCollatorWithPadding, PreTrainedTokenizerFast
 
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel({str(i): i for i in range(VOCAB)}, unk_token="3")),
-                                        pad_token="0", padding_side=padding_side)  # fmt: skip
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(WordLevel({str(i): i for i in range(VOCAB)}, unk_token="3")), pad_token="0", padding_side=padding_side
+    )
     batch = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=pad_to_multiple_of, return_tensors="pt")([{"input_ids": d} for d in docs])
     return {k: v.to(device) for k, v in batch.items()}

@@ -11,9 +11,15 @@ def tiny_llama(*, hidden: int = 32, layers: int = 2, heads: int = 4, kv_heads: i
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-        vocab_size=vocab, max_position_embeddings=256, attn_implementation=attn_implementation,
-    )  # fmt: skip
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        vocab_size=vocab,
+        max_position_embeddings=256,
+        attn_implementation=attn_implementation,
+    )
     torch.manual_seed(0)
     return LlamaForCausalLM(config)
 
@@ -21,8 +27,9 @@ def tiny_llama(*, hidden: int = 32, layers: int = 2, heads: int = 4, kv_heads: i
 class TinyLlamaModule(LightningModule):
     """Records ``config._attn_implementation`` (and whether the provider is installed) at every training step."""
 
-    def __init__(self, hidden: int = 32, layers: int = 2, heads: int = 4, kv_heads: int = 2, vocab: int = 64, seq_len: int = 16,
-                 batch_size: int = 2):  # fmt: skip
+    def __init__(
+        self, hidden: int = 32, layers: int = 2, heads: int = 4, kv_heads: int = 2, vocab: int = 64, seq_len: int = 16, batch_size: int = 2
+    ):
         super().__init__()
         self.hf = tiny_llama(hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads, vocab=vocab)
         self.initial_implementation = self.hf.config._attn_implementation

@@ -1,7 +1,6 @@
 """Whole-model gradient comparison shared by the GPU tests: cuDNN in bf16 against eager in fp32, within eager bf16's own error."""
 
 from cudnn_attention.recipes.common.gradients import parameter_gradients, recipe_batches, recipe_gradients, relative_error
-
 from support.tolerances import noise_bound
 
 __all__ = ["gradient_mismatches", "parameter_gradients", "recipe_batches", "recipe_gradients", "relative_error"]

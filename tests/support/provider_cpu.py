@@ -71,14 +71,50 @@ def _reference(q, k, v, cu_q, cu_kv, max_q, max_kv, scale, left, right, bottom_r
     return varlen_reference(q, k, v, cu_q, cu_kv, max_q, max_kv, scale=scale, mask=mask)
 
 
-def standin_forward(q, k, v, sinks=None, seqlens_q=None, seqlens_kv=None, cu_q=None, cu_kv=None, *, scale, max_seqlen_q=0, max_seqlen_kv=0,
-                    window_left=-1, window_right=-1, bottom_right=False, need_lse=False):
+def standin_forward(
+    q,
+    k,
+    v,
+    sinks=None,
+    seqlens_q=None,
+    seqlens_kv=None,
+    cu_q=None,
+    cu_kv=None,
+    *,
+    scale,
+    max_seqlen_q=0,
+    max_seqlen_kv=0,
+    window_left=-1,
+    window_right=-1,
+    bottom_right=False,
+    need_lse=False,
+):
     out, lse = _reference(q, k, v, cu_q, cu_kv, max_seqlen_q, max_seqlen_kv, scale, window_left, window_right, bottom_right)
     return out, lse if need_lse else torch.empty(0)
 
 
-def standin_backward(grad_out, q, k, v, out, lse, grad_lse=None, sinks=None, seqlens_q=None, seqlens_kv=None, cu_q=None, cu_kv=None, *, scale,
-                     max_seqlen_q=0, max_seqlen_kv=0, window_left=-1, window_right=-1, bottom_right=False, deterministic=False):
+def standin_backward(
+    grad_out,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    grad_lse=None,
+    sinks=None,
+    seqlens_q=None,
+    seqlens_kv=None,
+    cu_q=None,
+    cu_kv=None,
+    *,
+    scale,
+    max_seqlen_q=0,
+    max_seqlen_kv=0,
+    window_left=-1,
+    window_right=-1,
+    bottom_right=False,
+    deterministic=False,
+):
     max_q, max_kv, left, right = max_seqlen_q, max_seqlen_kv, window_left, window_right
     # The real backward reads lse with our forward's layout: (B, H, S) dense, (T, H) packed, contiguous.
     expected = (q.shape[0], q.shape[1]) if cu_q is not None else (q.shape[0], q.shape[1], q.shape[2])

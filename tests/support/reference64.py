@@ -57,10 +57,18 @@ def _band(i, j, len_q, len_kv, left: int, right: int, bottom_right: bool) -> tor
     return visible
 
 
-def dense_visibility(B: int, S_q: int, S_kv: int, seqlens_q, seqlens_kv, *, causal=False, bottom_right=False, window_size=(-1, -1), device="cpu"):
+def dense_visibility(
+    B: int, S_q: int, S_kv: int, seqlens_q, seqlens_kv, *, causal=False, bottom_right=False, window_size=(-1, -1), device="cpu"
+):
     """``(visible (B, Q, K) bool, row_valid (B, Q) bool)`` with lengths clamped to ``[0, S]``."""
-    len_q = torch.full((B,), S_q, dtype=torch.int64, device=device) if seqlens_q is None else seqlens_q.to(device, torch.int64).clamp(0, S_q)
-    len_kv = torch.full((B,), S_kv, dtype=torch.int64, device=device) if seqlens_kv is None else seqlens_kv.to(device, torch.int64).clamp(0, S_kv)
+    len_q = (
+        torch.full((B,), S_q, dtype=torch.int64, device=device) if seqlens_q is None else seqlens_q.to(device, torch.int64).clamp(0, S_q)
+    )
+    len_kv = (
+        torch.full((B,), S_kv, dtype=torch.int64, device=device)
+        if seqlens_kv is None
+        else seqlens_kv.to(device, torch.int64).clamp(0, S_kv)
+    )
     left, right = _bounds(causal, window_size)
     i = torch.arange(S_q, device=device).view(1, S_q, 1)
     j = torch.arange(S_kv, device=device).view(1, 1, S_kv)
@@ -134,8 +142,23 @@ def _default_scale(scale, D):
     return 1.0 / math.sqrt(D) if scale is None else float(scale)
 
 
-def reference_attention(q, k, v, *, scale=None, causal=False, bottom_right=False, window_size=(-1, -1), sinks=None, seqlens_q=None,
-                        seqlens_kv=None, return_lse=False, compute_dtype=torch.float64, return_masks=False, **_ignored):  # fmt: skip
+def reference_attention(
+    q,
+    k,
+    v,
+    *,
+    scale=None,
+    causal=False,
+    bottom_right=False,
+    window_size=(-1, -1),
+    sinks=None,
+    seqlens_q=None,
+    seqlens_kv=None,
+    return_lse=False,
+    compute_dtype=torch.float64,
+    return_masks=False,
+    **_ignored,
+):
     """Mirror of ``cudnn_attention.attention`` over (B, H, S, D) inputs (any strides), computed in ``compute_dtype``.
 
     Returns ``out`` (B, H_q, S_q, D_v) in ``compute_dtype`` (and ``lse`` (B, H_q, S_q) when asked); with
@@ -144,12 +167,19 @@ def reference_attention(q, k, v, *, scale=None, causal=False, bottom_right=False
     B, H, Q, D = q.shape
     H_kv, K, D_v = k.shape[1], k.shape[2], v.shape[3]
     G = H // H_kv
-    visible, row_valid = dense_visibility(B, Q, K, seqlens_q, seqlens_kv, causal=causal, bottom_right=bottom_right, window_size=window_size,
-                                          device=q.device)  # fmt: skip
+    visible, row_valid = dense_visibility(
+        B, Q, K, seqlens_q, seqlens_kv, causal=causal, bottom_right=bottom_right, window_size=window_size, device=q.device
+    )
     out, lse = _softmax_attention(
-        q.to(compute_dtype).reshape(B, H_kv, G, Q, D), k.to(compute_dtype), v.to(compute_dtype), visible, row_valid,
-        _default_scale(scale, D), sinks, compute_dtype,
-    )  # fmt: skip
+        q.to(compute_dtype).reshape(B, H_kv, G, Q, D),
+        k.to(compute_dtype),
+        v.to(compute_dtype),
+        visible,
+        row_valid,
+        _default_scale(scale, D),
+        sinks,
+        compute_dtype,
+    )
     result = [out.reshape(B, H, Q, D_v)]
     if return_lse:
         result.append(lse.reshape(B, H, Q))
@@ -158,9 +188,25 @@ def reference_attention(q, k, v, *, scale=None, causal=False, bottom_right=False
     return result[0] if len(result) == 1 else tuple(result)
 
 
-def reference_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q=None, max_seqlen_kv=None, *, scale=None, causal=False,
-                               bottom_right=False, window_size=(-1, -1), sinks=None, return_lse=False, compute_dtype=torch.float64,
-                               return_masks=False, **_ignored):  # fmt: skip
+def reference_varlen_attention(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_kv,
+    max_seqlen_q=None,
+    max_seqlen_kv=None,
+    *,
+    scale=None,
+    causal=False,
+    bottom_right=False,
+    window_size=(-1, -1),
+    sinks=None,
+    return_lse=False,
+    compute_dtype=torch.float64,
+    return_masks=False,
+    **_ignored,
+):
     """Mirror of ``cudnn_attention.varlen_attention`` over packed (T, H, D) inputs; ``max_seqlen_*`` are not needed.
 
     Returns ``out`` (T_q, H_q, D_v) (and ``lse`` (T_q, H_q)); masks as in :func:`reference_attention`, (T_q,) and (T_kv,).
@@ -168,12 +214,19 @@ def reference_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_
     T_q, H, D = q.shape
     T_kv, H_kv, D_v = k.shape[0], k.shape[1], v.shape[2]
     G = H // H_kv
-    visible, row_valid = packed_visibility(T_q, T_kv, cu_seqlens_q, cu_seqlens_kv, causal=causal, bottom_right=bottom_right,
-                                           window_size=window_size, device=q.device)  # fmt: skip
+    visible, row_valid = packed_visibility(
+        T_q, T_kv, cu_seqlens_q, cu_seqlens_kv, causal=causal, bottom_right=bottom_right, window_size=window_size, device=q.device
+    )
     out, lse = _softmax_attention(
-        q.to(compute_dtype).permute(1, 0, 2).reshape(1, H_kv, G, T_q, D), k.to(compute_dtype).permute(1, 0, 2).unsqueeze(0),
-        v.to(compute_dtype).permute(1, 0, 2).unsqueeze(0), visible, row_valid, _default_scale(scale, D), sinks, compute_dtype,
-    )  # fmt: skip
+        q.to(compute_dtype).permute(1, 0, 2).reshape(1, H_kv, G, T_q, D),
+        k.to(compute_dtype).permute(1, 0, 2).unsqueeze(0),
+        v.to(compute_dtype).permute(1, 0, 2).unsqueeze(0),
+        visible,
+        row_valid,
+        _default_scale(scale, D),
+        sinks,
+        compute_dtype,
+    )
     result = [out.reshape(H, T_q, D_v).permute(1, 0, 2)]
     if return_lse:
         result.append(lse.reshape(H, T_q).permute(1, 0))
@@ -226,7 +279,13 @@ def compare_tensors(name: str, got, ref, lowp, *, floor_rel: float, magnitude: f
     err = (got - ref).abs().max().item()
     bound = noise_bound(base, max(ref.abs().max().item(), magnitude), floor_rel=floor_rel, implied=implied)
     ok = err <= bound
-    return {"name": name, "ok": ok, "err": err, "bound": bound, "why": "" if ok else f"error {err:.3g} > bound {bound:.3g} (low-precision error {base:.3g})"}
+    return {
+        "name": name,
+        "ok": ok,
+        "err": err,
+        "bound": bound,
+        "why": "" if ok else f"error {err:.3g} > bound {bound:.3g} (low-precision error {base:.3g})",
+    }
 
 
 def _exact_zero(name: str, tensor, rows_mask, row_dim: int) -> dict | None:
@@ -238,8 +297,13 @@ def _exact_zero(name: str, tensor, rows_mask, row_dim: int) -> dict | None:
     picked = moved[rows_mask]
     if picked.numel() and not bool((picked == 0).all()):
         bad = picked[picked != 0]
-        return {"name": f"{name}_zero_rows", "ok": False, "err": float(bad.double().abs().nan_to_num(nan=float("inf")).max()), "bound": 0.0,
-                "why": f"{int((picked != 0).sum())} entries of rows that must be exactly zero are not (e.g. {bad.flatten()[0].item():.3g})"}  # fmt: skip
+        return {
+            "name": f"{name}_zero_rows",
+            "ok": False,
+            "err": float(bad.double().abs().nan_to_num(nan=float("inf")).max()),
+            "bound": 0.0,
+            "why": f"{int((picked != 0).sum())} entries of rows that must be exactly zero are not (e.g. {bad.flatten()[0].item():.3g})",
+        }
     return None
 
 
@@ -295,8 +359,9 @@ def implied_qk_errors(out_got, out_ref, lse_ref, grad_out, leaves64: dict, names
     return {n: (g.abs().max().item() if g is not None and g.numel() else 0.0) for n, g in zip(wanted, grads)}
 
 
-def evaluate_call(api: str, args: tuple, kwargs: dict, *, grads: bool = True, floor_rel: float | None = None, grad_seed: int = 0,
-                  loss: str = "out") -> dict:
+def evaluate_call(
+    api: str, args: tuple, kwargs: dict, *, grads: bool = True, floor_rel: float | None = None, grad_seed: int = 0, loss: str = "out"
+) -> dict:
     """Call ``cudnn_attention.attention``/``varlen_attention`` with ``args``/``kwargs``, run its backward, and
     compare output, lse (when ``return_lse``) and every gradient against the float64 reference.
 
@@ -368,8 +433,11 @@ def evaluate_call(api: str, args: tuple, kwargs: dict, *, grads: bool = True, fl
     for name in compared:
         # A reference gradient of None is zero (a loss over the LSE alone does not reach V), on the result's device.
         device = got[name].device if got[name] is not None else "cpu"
-        want = ref[name] if ref[name] is not None else torch.zeros(got[name].shape if got[name] is not None else (), dtype=torch.float64,
-                                                                   device=device)
+        want = (
+            ref[name]
+            if ref[name] is not None
+            else torch.zeros(got[name].shape if got[name] is not None else (), dtype=torch.float64, device=device)
+        )
         base = lowp[name] if lowp[name] is not None else torch.zeros_like(want)
         magnitude = grad_out.abs().max().item() if name.startswith("d") and grad_out.numel() else 0.0
         if name.startswith("d") and grad_lse is not None and grad_lse.numel():

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
+
 from cudnn_attention import api, cudnn_graphs
 from cudnn_attention import plan as plans
 from cudnn_attention.reference import dense_reference, varlen_reference
@@ -31,10 +32,21 @@ def served_on_cpu(monkeypatch):
     def launch(plan, call, q, k, v, *, sinks, lengths):
         counts["launch"] += 1
         if call.packed:
-            return varlen_reference(q, k, v, lengths.cu_seqlens_q, lengths.cu_seqlens_kv, call.max_seqlen_q, call.max_seqlen_kv,
-                                    scale=call.scale, mask=call.mask, sinks_H=sinks)  # fmt: skip
-        return dense_reference(q, k, v, scale=call.scale, mask=call.mask, sinks_H=sinks, seqlens_q_B=lengths.seqlens_q,
-                               seqlens_kv_B=lengths.seqlens_kv)  # fmt: skip
+            return varlen_reference(
+                q,
+                k,
+                v,
+                lengths.cu_seqlens_q,
+                lengths.cu_seqlens_kv,
+                call.max_seqlen_q,
+                call.max_seqlen_kv,
+                scale=call.scale,
+                mask=call.mask,
+                sinks_H=sinks,
+            )
+        return dense_reference(
+            q, k, v, scale=call.scale, mask=call.mask, sinks_H=sinks, seqlens_q_B=lengths.seqlens_q, seqlens_kv_B=lengths.seqlens_kv
+        )
 
     monkeypatch.setattr(plans, "resolve", resolve)
     monkeypatch.setattr(api, "cudnn_forward", launch)

@@ -337,8 +337,9 @@ def _(dev):
 @case("scale_negative_packed", devices=("cpu", "cuda"))
 def _(dev):
     D = 8 if dev == "cpu" else 128
-    return expect_reference("varlen", packed(dev, lengths=(7, 12), lengths_kv=(9, 3), D=D, grad=True), dict(scale=-1.0, causal=True,
-                                                                                                         bottom_right=True))  # fmt: skip
+    return expect_reference(
+        "varlen", packed(dev, lengths=(7, 12), lengths_kv=(9, 3), D=D, grad=True), dict(scale=-1.0, causal=True, bottom_right=True)
+    )
 
 
 @case("scale_python_int")
@@ -382,8 +383,11 @@ def _(dev):
 
 @case("sinks_int64")
 def _(dev):
-    return expect_error(TE, r"sinks must be a floating-point tensor, got torch.int64",
-                        lambda: A(*dense(dev), sinks=torch.zeros(4, dtype=torch.int64, device=dev)))  # fmt: skip
+    return expect_error(
+        TE,
+        r"sinks must be a floating-point tensor, got torch.int64",
+        lambda: A(*dense(dev), sinks=torch.zeros(4, dtype=torch.int64, device=dev)),
+    )
 
 
 @case("sinks_other_device", devices=("cpu", "cuda"))
@@ -420,8 +424,9 @@ def _lengths(values, dev, dtype=torch.int32):
 
 @case("seqlens_float")
 def _(dev):
-    return expect_error(TE, r"seqlens_kv must be int32 or int64, got torch.float32",
-                        lambda: A(*dense(dev), seqlens_kv=torch.tensor([1.0, 2.0], device=dev)))  # fmt: skip
+    return expect_error(
+        TE, r"seqlens_kv must be int32 or int64, got torch.float32", lambda: A(*dense(dev), seqlens_kv=torch.tensor([1.0, 2.0], device=dev))
+    )
 
 
 @case("seqlens_wrong_length")
@@ -492,8 +497,9 @@ def _(dev):
 
 @case("seqlens_validate_out_of_range")
 def _(dev):
-    return expect_error(VE, r"seqlens_kv must lie in \[0, 5\], got \[-1, 2\]",
-                        lambda: A(*dense(dev), seqlens_kv=_lengths([-1, 2], dev), validate=True))  # fmt: skip
+    return expect_error(
+        VE, r"seqlens_kv must lie in \[0, 5\], got \[-1, 2\]", lambda: A(*dense(dev), seqlens_kv=_lengths([-1, 2], dev), validate=True)
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -510,20 +516,28 @@ def _packed_with(dev, **changes):
 
 @case("cu_float")
 def _(dev):
-    return expect_error(TE, r"cu_seqlens_q must be int32 or int64, got torch.float32",
-                        lambda: VA(**_packed_with(dev, cu_seqlens_q=torch.tensor([0.0, 2.0, 6.0], device=dev))))  # fmt: skip
+    return expect_error(
+        TE,
+        r"cu_seqlens_q must be int32 or int64, got torch.float32",
+        lambda: VA(**_packed_with(dev, cu_seqlens_q=torch.tensor([0.0, 2.0, 6.0], device=dev))),
+    )
 
 
 @case("cu_rank2")
 def _(dev):
-    return expect_error(VE, r"cu_seqlens_kv must be 1-D.*got shape \(1, 3\)", lambda: VA(**_packed_with(dev, cu_seqlens_kv=cu([2, 4], dev)[None])))
+    return expect_error(
+        VE, r"cu_seqlens_kv must be 1-D.*got shape \(1, 3\)", lambda: VA(**_packed_with(dev, cu_seqlens_kv=cu([2, 4], dev)[None]))
+    )
 
 
 @case("cu_length1")
 def _(dev):
     bad = torch.tensor([0], dtype=torch.int32, device=dev)
-    return expect_error(VE, r"cu_seqlens_q must be 1-D with B \+ 1 >= 2 entries, got shape \(1,\)",
-                        lambda: VA(**_packed_with(dev, cu_seqlens_q=bad, cu_seqlens_kv=bad)))  # fmt: skip
+    return expect_error(
+        VE,
+        r"cu_seqlens_q must be 1-D with B \+ 1 >= 2 entries, got shape \(1,\)",
+        lambda: VA(**_packed_with(dev, cu_seqlens_q=bad, cu_seqlens_kv=bad)),
+    )
 
 
 @case("cu_other_device", devices=("cpu", "cuda"))
@@ -549,7 +563,9 @@ def _(dev):
 
 @case("max_seqlen_tensor")
 def _(dev):
-    return expect_error(TE, r"max_seqlen_kv must be a Python int, got tensor", lambda: VA(**_packed_with(dev, max_seqlen_kv=torch.tensor(4))))
+    return expect_error(
+        TE, r"max_seqlen_kv must be a Python int, got tensor", lambda: VA(**_packed_with(dev, max_seqlen_kv=torch.tensor(4)))
+    )
 
 
 @case("max_seqlen_bool")
@@ -590,8 +606,9 @@ def _(dev):
 @case("max_seqlen_2_pow_40", devices=("cpu", "cuda"))
 def _(dev):
     # Once a device-side assertion on CUDA (the check's int32 comparison wrapped 2**40 to 0) and an 8 TiB allocation on CPU.
-    return expect_error(VE, r"max_seqlen_q = 1099511627776 exceeds the 6 packed tokens",
-                        lambda: VA(**_packed_with(dev, max_seqlen_q=2**40)))  # fmt: skip
+    return expect_error(
+        VE, r"max_seqlen_q = 1099511627776 exceeds the 6 packed tokens", lambda: VA(**_packed_with(dev, max_seqlen_q=2**40))
+    )
 
 
 @case("doc_with_queries_but_no_keys", devices=("cpu", "cuda"))
@@ -635,8 +652,7 @@ for _which in INVALID_CU:
 @case("cu_kv_doc_longer_than_max_validate_false")
 def _(dev):
     q, k, v, cu_q, cu_kv, max_q, _ = packed(dev)
-    return expect_error(VE, r"cu_seqlens_kv has 4 tokens, more than max_seqlen.* 2",
-                        lambda: VA(q, k, v, cu_q, cu_kv, max_q, 2))  # fmt: skip
+    return expect_error(VE, r"cu_seqlens_kv has 4 tokens, more than max_seqlen.* 2", lambda: VA(q, k, v, cu_q, cu_kv, max_q, 2))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -676,8 +692,9 @@ def _(dev):
 
 @case("causal_with_right_window")
 def _(dev):
-    return expect_error(VE, r"causal=True hides every future key but window_size=\(4, 2\) admits 2",
-                        lambda: A(*dense(dev), causal=True, window_size=(4, 2)))  # fmt: skip
+    return expect_error(
+        VE, r"causal=True hides every future key but window_size=\(4, 2\) admits 2", lambda: A(*dense(dev), causal=True, window_size=(4, 2))
+    )
 
 
 @case("window_as_list", devices=("cpu", "cuda"))
@@ -693,7 +710,9 @@ def _(dev):
 
 @case("window_diagonal_only_bottom_right")
 def _(dev):
-    return expect_reference("varlen", packed(dev, lengths=(3, 5), lengths_kv=(6, 2), grad=True), dict(window_size=(0, 0), bottom_right=True))
+    return expect_reference(
+        "varlen", packed(dev, lengths=(3, 5), lengths_kv=(6, 2), grad=True), dict(window_size=(0, 0), bottom_right=True)
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -828,8 +847,11 @@ def _(dev):
 @case("bottom_right_more_queries_than_keys", devices=("cpu", "cuda"))
 def _(dev):
     D = 8 if dev == "cpu" else 64
-    return expect_reference("dense", dense(dev, S=40, S_kv=24, D=D, dtype=torch.float16 if dev != "cpu" else None, grad=True),
-                            dict(causal=True, bottom_right=True))  # fmt: skip
+    return expect_reference(
+        "dense",
+        dense(dev, S=40, S_kv=24, D=D, dtype=torch.float16 if dev != "cpu" else None, grad=True),
+        dict(causal=True, bottom_right=True),
+    )
 
 
 @case("head_dim_264_beyond_cudnn", devices=("cuda",))
@@ -915,7 +937,7 @@ def _run_in_subprocess(name: str, timeout: float = 300.0) -> tuple[str, str]:
         return "crash", f"timed out after {timeout:.0f} s"
     for line in done.stdout.splitlines():
         if line.startswith("BAD_INPUT_RESULT "):
-            outcome, detail = json.loads(line[len("BAD_INPUT_RESULT "):])
+            outcome, detail = json.loads(line[len("BAD_INPUT_RESULT ") :])
             if done.returncode != 0 and outcome in GOOD and outcome != "fails loudly":
                 # A good verdict followed by a dying process (e.g. a fault at exit) is still a crash.
                 return "crash", f"{outcome} but exit status {done.returncode}: {done.stderr[-300:]}"

@@ -56,8 +56,12 @@ def _dense(case, seed):
     leaves = [torch.randn(B, H, S_q, D), torch.randn(B, H_kv, S_kv, D), torch.randn(B, H_kv, S_kv, D)]
     if case.get("sinks"):
         leaves.append(torch.randn(H))
-    kwargs = dict(scale=0.3, causal=case.get("causal", False), bottom_right=case.get("bottom_right", False),
-                  window_size=case.get("window_size", (-1, -1)))  # fmt: skip
+    kwargs = dict(
+        scale=0.3,
+        causal=case.get("causal", False),
+        bottom_right=case.get("bottom_right", False),
+        window_size=case.get("window_size", (-1, -1)),
+    )
     if case.get("padded"):
         kwargs.update(seqlens_q=torch.tensor([S_q, S_q - 3]), seqlens_kv=torch.tensor([S_kv, S_kv - 2]))
     return leaves, kwargs
@@ -75,8 +79,12 @@ def _varlen(case, seed):
     leaves = [torch.randn(T_q, H, D), torch.randn(T_kv, H_kv, D), torch.randn(T_kv, H_kv, D)]
     if case.get("sinks"):
         leaves.append(torch.randn(H))
-    kwargs = dict(scale=0.4, causal=case.get("causal", False), bottom_right=case.get("bottom_right", False),
-                  window_size=case.get("window_size", (-1, -1)))  # fmt: skip
+    kwargs = dict(
+        scale=0.4,
+        causal=case.get("causal", False),
+        bottom_right=case.get("bottom_right", False),
+        window_size=case.get("window_size", (-1, -1)),
+    )
     return leaves, (cu_q, cu_kv, max(lengths_q), max(lengths_kv)), kwargs, tail
 
 

@@ -3,10 +3,10 @@ the ops, and a value of another type is refused with its name; on CPU with emula
 
 import pytest
 import torch
-from support.emulated_cudnn import emulated
 
 import cudnn_attention
 from cudnn_attention import launch
+from support.emulated_cudnn import emulated
 
 
 @pytest.fixture(params=["eager", "op"])
@@ -33,7 +33,9 @@ def _leaves(packed: bool):
 
 
 @pytest.mark.parametrize("packed", [False, True])
-@pytest.mark.parametrize("setting, global_setting, want", [(None, False, False), (None, True, True), (True, False, True), (False, True, False)])
+@pytest.mark.parametrize(
+    "setting, global_setting, want", [(None, False, False), (None, True, True), (True, False, True), (False, True, False)]
+)
 def test_the_option_overrides_torchs_setting_for_its_call(backward_algorithms, monkeypatch, packed, setting, global_setting, want):
     monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: global_setting)
     q, k, v = _leaves(packed)

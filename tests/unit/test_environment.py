@@ -12,7 +12,16 @@ import cudnn_attention
 from cudnn_attention import environment
 
 KEYS = {
-    "cudnn_attention", "python", "torch", "cuda", "torch_cudnn", "cudnn_backend", "cudnn_frontend", "transformers", "lightning", "gpu",
+    "cudnn_attention",
+    "python",
+    "torch",
+    "cuda",
+    "torch_cudnn",
+    "cudnn_backend",
+    "cudnn_frontend",
+    "transformers",
+    "lightning",
+    "gpu",
     "gpu_count",
 }
 

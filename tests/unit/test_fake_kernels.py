@@ -10,7 +10,16 @@ from cudnn_attention.layouts import allocate_forward_outputs, like_layout_stride
 
 def _forward(q, k, v, *, packed=False, need_lse=True, cu=None, max_len=0):
     return torch.ops.cudnn_attention.forward(
-        q, k, v, cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max_len, max_seqlen_kv=max_len, scale=0.125, window_right=0, need_lse=need_lse
+        q,
+        k,
+        v,
+        cu_seqlens_q=cu,
+        cu_seqlens_kv=cu,
+        max_seqlen_q=max_len,
+        max_seqlen_kv=max_len,
+        scale=0.125,
+        window_right=0,
+        need_lse=need_lse,
     )
 
 

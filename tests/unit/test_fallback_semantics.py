@@ -37,8 +37,12 @@ DENSE_CASES = {
 
 
 def _reference_options(case, scale):
-    return dict(scale=scale, causal=case.get("causal", False), bottom_right=case.get("bottom_right", False),
-                window_size=case.get("window_size", (-1, -1)))
+    return dict(
+        scale=scale,
+        causal=case.get("causal", False),
+        bottom_right=case.get("bottom_right", False),
+        window_size=case.get("window_size", (-1, -1)),
+    )
 
 
 @pytest.mark.parametrize("name", list(DENSE_CASES))
@@ -56,14 +60,23 @@ def test_dense_fallback_matches_naive(name):
     grad_out = torch.randn(B, H, S_q, D_v)
 
     out = cudnn_attention.attention(
-        q, k, v, scale=0.3, causal=case.get("causal", False), bottom_right=case.get("bottom_right", False),
-        window_size=case.get("window_size", (-1, -1)), sinks=sinks, seqlens_q=len_q, seqlens_kv=len_kv,
-    )  # fmt: skip
+        q,
+        k,
+        v,
+        scale=0.3,
+        causal=case.get("causal", False),
+        bottom_right=case.get("bottom_right", False),
+        window_size=case.get("window_size", (-1, -1)),
+        sinks=sinks,
+        seqlens_q=len_q,
+        seqlens_kv=len_kv,
+    )
     grads = torch.autograd.grad(out, [t for t in (q, k, v, sinks) if t is not None], grad_out)
 
     leaves = [t.detach().double().requires_grad_() for t in (q, k, v, sinks) if t is not None]
-    expected = reference_attention(*leaves[:3], sinks=leaves[3] if sinks is not None else None, seqlens_q=len_q, seqlens_kv=len_kv,
-                                   **_reference_options(case, 0.3))
+    expected = reference_attention(
+        *leaves[:3], sinks=leaves[3] if sinks is not None else None, seqlens_q=len_q, seqlens_kv=len_kv, **_reference_options(case, 0.3)
+    )
     expected_grads = torch.autograd.grad(expected, leaves, grad_out.double())
 
     assert out.dtype == q.dtype and out.shape == (B, H, S_q, D_v)
@@ -107,9 +120,20 @@ def test_varlen_fallback_matches_naive(name):
     grad_out = torch.randn(T_q, H, D)
 
     out = cudnn_attention.varlen_attention(
-        q, k, v, cu_q, cu_kv, max(lengths_q), max(lengths_kv), scale=0.4, causal=case.get("causal", False),
-        bottom_right=case.get("bottom_right", False), window_size=case.get("window_size", (-1, -1)), sinks=sinks, validate=True,
-    )  # fmt: skip
+        q,
+        k,
+        v,
+        cu_q,
+        cu_kv,
+        max(lengths_q),
+        max(lengths_kv),
+        scale=0.4,
+        causal=case.get("causal", False),
+        bottom_right=case.get("bottom_right", False),
+        window_size=case.get("window_size", (-1, -1)),
+        sinks=sinks,
+        validate=True,
+    )
     grads = torch.autograd.grad(out, [t for t in (q, k, v, sinks) if t is not None], grad_out)
 
     leaves = [t.detach().double().requires_grad_() for t in (q, k, v, sinks) if t is not None]

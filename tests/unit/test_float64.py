@@ -9,7 +9,6 @@ import torch.nn.functional as F
 import cudnn_attention
 from cudnn_attention.masking import make_mask_spec
 from cudnn_attention.reference import dense_reference
-
 from support.reference64 import reference_attention, reference_varlen_attention
 
 # float64 math against a float64 reference: summation order only. float32 math lands near 1e-7 of the magnitude,
@@ -47,8 +46,9 @@ def _dense_inputs(case, *, seed: int):
     v = torch.randn(B, H_kv, S_kv, D, dtype=torch.float64, requires_grad=True)
     sinks = torch.randn(H, dtype=torch.float64, requires_grad=True) if case.get("sinks") else None
     lengths = dict(seqlens_q=torch.tensor([S_q, S_q - 1]), seqlens_kv=torch.tensor([S_kv, S_kv - 2])) if case.get("padded") else {}
-    options = dict(causal=case.get("causal", False), bottom_right=case.get("bottom_right", False),
-                   window_size=case.get("window_size", (-1, -1)))  # fmt: skip
+    options = dict(
+        causal=case.get("causal", False), bottom_right=case.get("bottom_right", False), window_size=case.get("window_size", (-1, -1))
+    )
     return q, k, v, sinks, lengths, options
 
 
@@ -64,8 +64,9 @@ def _varlen_inputs(case, *, seed: int):
     k = torch.randn(int(cu_kv[-1]) + tail, H_kv, D, dtype=torch.float64, requires_grad=True)
     v = torch.randn(int(cu_kv[-1]) + tail, H_kv, D, dtype=torch.float64, requires_grad=True)
     sinks = torch.randn(H, dtype=torch.float64, requires_grad=True) if case.get("sinks") else None
-    options = dict(causal=case.get("causal", False), bottom_right=case.get("bottom_right", False),
-                   window_size=case.get("window_size", (-1, -1)))  # fmt: skip
+    options = dict(
+        causal=case.get("causal", False), bottom_right=case.get("bottom_right", False), window_size=case.get("window_size", (-1, -1))
+    )
     return q, k, v, sinks, (cu_q, cu_kv, max(lengths_q), max(lengths_kv)), options, tail
 
 

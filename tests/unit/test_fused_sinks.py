@@ -8,9 +8,10 @@ import os
 import subprocess
 
 import pytest
+
 from support.child_process import run_python
 
-CHECK = r'''
+CHECK = r"""
 import sys, torch
 from cudnn_attention import fused_sinks
 assert fused_sinks.triton is not None
@@ -81,7 +82,7 @@ if device == "cuda":
             # Float32 sums of 4,096 terms in another order: within a few ulps of the terms' absolute sum.
             assert ((got_ds - want_ds).abs() <= 1e-5 * terms.abs().sum(0)).all(), (D, (got_ds - want_ds).abs().max())
 print("fused sink passes agree")
-'''
+"""
 
 
 def _run(device: str, env: dict) -> subprocess.CompletedProcess:

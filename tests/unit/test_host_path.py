@@ -6,8 +6,8 @@ import inspect
 
 import pytest
 import torch
-from cudnn_attention import _compat, cudnn_ops
 
+from cudnn_attention import _compat, cudnn_ops
 from support.benchmark_scripts import check_in_script
 
 

@@ -68,8 +68,17 @@ def test_dense_option_errors(kwargs, error, pattern, remembered):
 
 
 # Valid values of each option, of the type the documentation gives; the type matters: ``True == 1 == 1.0`` as keys.
-_VALID = dict(window_size=(1, 0), sinks=torch.zeros(4), seqlens_q=torch.tensor([1, 2]), seqlens_kv=torch.tensor([1, 2]), scale=1.0,
-              causal=False, validate=False, max_seqlen_q=4, max_seqlen_kv=4)  # fmt: skip
+_VALID = dict(
+    window_size=(1, 0),
+    sinks=torch.zeros(4),
+    seqlens_q=torch.tensor([1, 2]),
+    seqlens_kv=torch.tensor([1, 2]),
+    scale=1.0,
+    causal=False,
+    validate=False,
+    max_seqlen_q=4,
+    max_seqlen_kv=4,
+)
 
 
 @pytest.mark.parametrize(
@@ -93,7 +102,11 @@ def test_an_equal_option_of_another_type_is_still_checked(served_on_cpu, valid, 
     "mutate, error, pattern",
     [
         (lambda a: {**a, "cu_seqlens_q": a["cu_seqlens_q"].float()}, TypeError, r"cu_seqlens_q must be int32 or int64, got torch.float32"),
-        (lambda a: {**a, "cu_seqlens_kv": a["cu_seqlens_kv"][None]}, ValueError, r"cu_seqlens_kv must be 1-D with B \+ 1 >= 2 entries, got shape \(1, 3\)"),
+        (
+            lambda a: {**a, "cu_seqlens_kv": a["cu_seqlens_kv"][None]},
+            ValueError,
+            r"cu_seqlens_kv must be 1-D with B \+ 1 >= 2 entries, got shape \(1, 3\)",
+        ),
         (lambda a: {**a, "cu_seqlens_kv": torch.tensor([0, 6], dtype=torch.int32)}, ValueError, r"different batch sizes: 2 and 1"),
         (lambda a: {**a, "max_seqlen_q": -1}, ValueError, r"max_seqlen_q must be >= 0, got -1"),
         # CPU prefix sums are checked even without validate=True (it costs no device sync there).
@@ -103,18 +116,37 @@ def test_an_equal_option_of_another_type_is_still_checked(served_on_cpu, valid, 
         (lambda a: {**a, "q": a["q"][..., :0], "k": a["k"][..., :0]}, ValueError, r"head dim must be >= 1, got q/k head dim 0"),
         (lambda a: {**a, "max_seqlen_kv": torch.tensor(4)}, TypeError, r"max_seqlen_kv must be a Python int"),
         (lambda a: {**a, "q": a["q"][None]}, ValueError, r"q must be 3-D \(T, H, D\)"),
-        (lambda a: {**a, "cu_seqlens_q": torch.tensor([0, 4, 2], dtype=torch.int32), "validate": True}, ValueError,
-         r"non-decreasing, but entry 2 \(2\) < entry 1 \(4\)"),
-        (lambda a: {**a, "cu_seqlens_q": torch.tensor([0, 2, 9], dtype=torch.int32), "validate": True}, ValueError,
-         r"cu_seqlens_q\[-1\] = 9 exceeds the 6 packed tokens"),
-        (lambda a: {**a, "cu_seqlens_q": torch.tensor([1, 2, 6], dtype=torch.int32), "validate": True}, ValueError, r"must start at 0, got 1"),
+        (
+            lambda a: {**a, "cu_seqlens_q": torch.tensor([0, 4, 2], dtype=torch.int32), "validate": True},
+            ValueError,
+            r"non-decreasing, but entry 2 \(2\) < entry 1 \(4\)",
+        ),
+        (
+            lambda a: {**a, "cu_seqlens_q": torch.tensor([0, 2, 9], dtype=torch.int32), "validate": True},
+            ValueError,
+            r"cu_seqlens_q\[-1\] = 9 exceeds the 6 packed tokens",
+        ),
+        (
+            lambda a: {**a, "cu_seqlens_q": torch.tensor([1, 2, 6], dtype=torch.int32), "validate": True},
+            ValueError,
+            r"must start at 0, got 1",
+        ),
         (lambda a: {**a, "max_seqlen_q": 3, "validate": True}, ValueError, r"has 4 tokens, more than max_seqlen_q 3"),
         # No document is longer than all the tokens: a larger maximum is a claim the host can refuse (2**40 once overflowed
         # the device-side check's int32 comparison and killed the process; on CPU the exact path tried to allocate 8 TiB).
         (lambda a: {**a, "max_seqlen_q": 2**40}, ValueError, r"max_seqlen_q = 1099511627776 exceeds the 6 packed tokens"),
         (lambda a: {**a, "max_seqlen_kv": 7}, ValueError, r"max_seqlen_kv = 7 exceeds the 6 packed tokens"),
-        (lambda a: {**a, "k": a["k"][:5], "v": a["v"][:5], "cu_seqlens_kv": torch.tensor([0, 2, 5], dtype=torch.int32), "max_seqlen_kv": 6},
-         ValueError, r"max_seqlen_kv = 6 exceeds the 5 packed tokens"),  # each side's bound is its own tensor's token count
+        (
+            lambda a: {
+                **a,
+                "k": a["k"][:5],
+                "v": a["v"][:5],
+                "cu_seqlens_kv": torch.tensor([0, 2, 5], dtype=torch.int32),
+                "max_seqlen_kv": 6,
+            },
+            ValueError,
+            r"max_seqlen_kv = 6 exceeds the 5 packed tokens",
+        ),  # each side's bound is its own tensor's token count
     ],
 )
 def test_varlen_errors(mutate, error, pattern, remembered):

@@ -11,9 +11,26 @@ from cudnn_attention.masking import MaskSpec
 
 def _spec(**changes) -> GraphSpec:
     fields = dict(
-        direction="backward", device_index=0, dtype=torch.bfloat16, batch=4, heads_q=16, heads_kv=4, seq_q=256, seq_kv=256, dim_qk=256,
-        dim_v=128, q_strides=(), k_strides=(), v_strides=(), o_strides=(), scale=0.0625, mask=MaskSpec(-1, 0), packed=True, need_lse=True,
-        total_q=1024, total_kv=1024,
+        direction="backward",
+        device_index=0,
+        dtype=torch.bfloat16,
+        batch=4,
+        heads_q=16,
+        heads_kv=4,
+        seq_q=256,
+        seq_kv=256,
+        dim_qk=256,
+        dim_v=128,
+        q_strides=(),
+        k_strides=(),
+        v_strides=(),
+        o_strides=(),
+        scale=0.0625,
+        mask=MaskSpec(-1, 0),
+        packed=True,
+        need_lse=True,
+        total_q=1024,
+        total_kv=1024,
     )
     return GraphSpec(**{**fields, **changes})
 
@@ -23,8 +40,9 @@ def test_the_packed_backward_at_d256_with_another_dv_is_known_wrong(dim_v):
     assert "D 256" in known_wrong(_spec(dim_v=dim_v))
 
 
-@pytest.mark.parametrize("changes", [dict(direction="forward"), dict(packed=False), dict(dim_v=256), dict(dim_qk=192, dim_v=80),
-                                     dict(dim_qk=128, dim_v=64)])  # fmt: skip
+@pytest.mark.parametrize(
+    "changes", [dict(direction="forward"), dict(packed=False), dict(dim_v=256), dict(dim_qk=192, dim_v=80), dict(dim_qk=128, dim_v=64)]
+)
 def test_graphs_measured_right_are_not(changes):
     assert known_wrong(_spec(**changes)) is None
 

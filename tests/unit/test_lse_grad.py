@@ -10,9 +10,9 @@ import itertools
 
 import pytest
 import torch
-from support.reference64 import evaluate_call
 
 import cudnn_attention
+from support.reference64 import evaluate_call
 
 # name -> (options, dense shape overrides); small enough for float64 autograd in a few ms.
 DENSE_CASES = {
@@ -32,7 +32,8 @@ PACKED_CASES = {
     "empty_document_tail": (dict(causal=True, window_size=(2, 0)), dict(lengths=[4, 0, 6], tail=2)),
     "sinks_tail": (dict(causal=True, sinks=True), dict(lengths=[5, 1, 7], tail=3)),
     "sinks_window_queries_without_keys": (
-        dict(causal=True, window_size=(3, 0), sinks=True), dict(lengths=[4, 6], kv_lengths=[4, 0], tail=2)
+        dict(causal=True, window_size=(3, 0), sinks=True),
+        dict(lengths=[4, 6], kv_lengths=[4, 0], tail=2),
     ),
 }
 LOSSES = ("out+lse", "lse")

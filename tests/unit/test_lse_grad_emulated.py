@@ -13,13 +13,13 @@ import itertools
 
 import pytest
 import torch
-from support.emulated_cudnn import emulated
-from support.reference64 import dense_visibility, evaluate_call, reference_attention
 
 import cudnn_attention
 from cudnn_attention import cudnn_ops
 from cudnn_attention import plan as plans
 from cudnn_attention.launch import _lse_gradient_operands, _lse_sink_gradient, _masked_lse_gradient
+from support.emulated_cudnn import emulated
+from support.reference64 import dense_visibility, evaluate_call, reference_attention
 
 # ----------------------------------------------------------------------------------------------
 # (1) The identity, in float64 with plain torch formulas
@@ -145,7 +145,8 @@ CASES = {
     "packed_tail": ("varlen", dict(lengths=[5, 1, 7], tail=3, options=dict(causal=True))),
     "packed_sinks_fold_empty_document_tail": ("varlen", dict(lengths=[4, 0, 6], tail=2, sinks=True, fold=True, options=WINDOW_OPTIONS)),
     "packed_sinks_engine_queries_without_keys": (
-        "varlen", dict(lengths=[4, 6], kv_lengths=[4, 0], tail=2, sinks=True, engine=True, options=dict(causal=True, window_size=(3, 0)))
+        "varlen",
+        dict(lengths=[4, 6], kv_lengths=[4, 0], tail=2, sinks=True, engine=True, options=dict(causal=True, window_size=(3, 0))),
     ),
 }
 LOSSES = ("out", "out+lse", "lse")
@@ -213,8 +214,15 @@ def test_emulated_op_passes_opcheck(monkeypatch):
     _, (q, k, v, cu_q, cu_kv, max_q, max_kv), kwargs = _case("packed_sinks_engine_queries_without_keys", monkeypatch)
     # The case's options (causal, window (3, 0)) as the op spells them: window_left 3, window_right 0.
     options = dict(
-        sinks=kwargs["sinks"], cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv, max_seqlen_q=max_q, max_seqlen_kv=max_kv, scale=SCALE, window_left=3,
-        window_right=0, need_lse=True,
+        sinks=kwargs["sinks"],
+        cu_seqlens_q=cu_q,
+        cu_seqlens_kv=cu_kv,
+        max_seqlen_q=max_q,
+        max_seqlen_kv=max_kv,
+        scale=SCALE,
+        window_left=3,
+        window_right=0,
+        need_lse=True,
     )
     with emulated(monkeypatch, op=True) as launches:
         torch.library.opcheck(torch.ops.cudnn_attention.forward.default, (q, k, v), options)

@@ -5,7 +5,6 @@ from importlib.metadata import requires, version
 import pytest
 
 import cudnn_attention
-
 from support.child_process import last_json, run_python
 
 packaging_markers = pytest.importorskip("packaging.requirements")

@@ -77,8 +77,9 @@ def test_strict_global_and_env(monkeypatch):
         monkeypatch.delenv("CUDNN_ATTENTION_STRICT")
         cudnn_attention.set_strict(True)
         with pytest.raises(StrictModeError):
-            cudnn_attention.varlen_attention(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1),
-                                             torch.tensor([0, 4]), torch.tensor([0, 4]), 4, 4)  # fmt: skip
+            cudnn_attention.varlen_attention(
+                q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), torch.tensor([0, 4]), torch.tensor([0, 4]), 4, 4
+            )
     finally:
         cudnn_attention.set_strict(None)
     assert not cudnn_attention.is_strict()
@@ -111,8 +112,22 @@ def test_a_graph_build_or_rejection_does_not_pin_the_callers_tensors(monkeypatch
     monkeypatch.setattr(launch, "bound_handle", lambda device_index: (None, 0))
     monkeypatch.setattr(torch.cuda, "device", lambda index: contextlib.nullcontext())
     spec = cudnn_graphs.GraphSpec(
-        direction="forward", device_index=0, dtype=torch.bfloat16, batch=1, heads_q=2, heads_kv=2, seq_q=64, seq_kv=64, dim_qk=64, dim_v=64,
-        q_strides=(1,) * 4, k_strides=(1,) * 4, v_strides=(1,) * 4, o_strides=(1,) * 4, scale=0.125, mask=MaskSpec(-1, 0),
+        direction="forward",
+        device_index=0,
+        dtype=torch.bfloat16,
+        batch=1,
+        heads_q=2,
+        heads_kv=2,
+        seq_q=64,
+        seq_kv=64,
+        dim_qk=64,
+        dim_v=64,
+        q_strides=(1,) * 4,
+        k_strides=(1,) * 4,
+        v_strides=(1,) * 4,
+        o_strides=(1,) * 4,
+        scale=0.125,
+        mask=MaskSpec(-1, 0),
     )
 
     def forward_that_builds():
@@ -147,8 +162,22 @@ def test_graph_builds_and_rejections_are_counted_with_their_time(monkeypatch):
     cudnn_graphs.clear_cache()
     cudnn_attention.reset_stats()
     base = dict(
-        device_index=0, dtype=torch.bfloat16, heads_q=2, heads_kv=2, seq_q=64, seq_kv=64, dim_qk=64, dim_v=64, q_strides=(1,) * 4,
-        k_strides=(1,) * 4, v_strides=(1,) * 4, o_strides=(1,) * 4, scale=0.125, mask=MaskSpec(-1, 0), packed=True, need_lse=True,
+        device_index=0,
+        dtype=torch.bfloat16,
+        heads_q=2,
+        heads_kv=2,
+        seq_q=64,
+        seq_kv=64,
+        dim_qk=64,
+        dim_v=64,
+        q_strides=(1,) * 4,
+        k_strides=(1,) * 4,
+        v_strides=(1,) * 4,
+        o_strides=(1,) * 4,
+        scale=0.125,
+        mask=MaskSpec(-1, 0),
+        packed=True,
+        need_lse=True,
     )
     try:
         for direction in ("forward", "forward", "backward"):  # the second forward is a cache hit

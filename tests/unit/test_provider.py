@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 
 import cudnn_attention
-from support.child_process import python_output
 from cudnn_attention import _compat, provider, sdpa_overrides
+from support.child_process import python_output
 from support.provider_cpu import DENSE_OPS, VARLEN_OPS, in_fresh_thread, our_ops_on_cpu, per_document_reference
 
 
@@ -131,15 +131,30 @@ def _math_with_bias(q, k, v, bias, scale):
     return torch.softmax(scores, -1).to(v.dtype) @ v, torch.logsumexp(scores, -1, keepdim=True)
 
 
-def _standin_torch_forward(query, key, value, attn_bias, cum_q, cum_k, max_q, max_k, compute_lse, dropout_p=0.0, is_causal=False,
-                           return_debug_mask=False, *, scale=None):  # fmt: skip
+def _standin_torch_forward(
+    query,
+    key,
+    value,
+    attn_bias,
+    cum_q,
+    cum_k,
+    max_q,
+    max_k,
+    compute_lse,
+    dropout_p=0.0,
+    is_causal=False,
+    return_debug_mask=False,
+    *,
+    scale=None,
+):
     out, lse = _math_with_bias(query, key, value, attn_bias, scale)
     seed = torch.empty((), dtype=torch.long)
     return out, lse, None, None, max_q, max_k, seed, seed.clone(), None
 
 
-def _standin_torch_backward(grad_out, query, key, value, out, lse, seed, offset, attn_bias, cum_q, cum_k, max_q, max_k, dropout_p, is_causal, *,
-                            scale=None):  # fmt: skip
+def _standin_torch_backward(
+    grad_out, query, key, value, out, lse, seed, offset, attn_bias, cum_q, cum_k, max_q, max_k, dropout_p, is_causal, *, scale=None
+):
     def grads():
         inputs = [t.detach().requires_grad_() for t in (query, key, value)]
         return torch.autograd.grad(_math_with_bias(*inputs, attn_bias, scale)[0], inputs, grad_out)

@@ -15,7 +15,6 @@ import torch
 
 import cudnn_attention
 from cudnn_attention import _compat, provider
-
 from support.provider_cpu import DENSE_OPS, VARLEN_OPS
 
 ALL_OPS = DENSE_OPS + VARLEN_OPS

@@ -185,10 +185,22 @@ def _call_values(version, seed=0):
     q, k, v, cu_q, cu_kv = _packed(seed)
     windowed = "window_size=" in RELEASES[version]["schemas"]["_varlen_attn"]
     values = {
-        "query": q, "key": k, "value": v, "cu_seq_q": cu_q, "cu_seq_k": cu_kv, "max_q": max(LENGTHS_Q), "max_k": max(LENGTHS_KV),
-        "is_causal": not windowed, "scale": None, "window_size": [3, 0], "enable_gqa": False, "seqused_k": None,
-        "block_table": None, "num_splits": None, "backend": CUDNN,
-    }  # fmt: skip
+        "query": q,
+        "key": k,
+        "value": v,
+        "cu_seq_q": cu_q,
+        "cu_seq_k": cu_kv,
+        "max_q": max(LENGTHS_Q),
+        "max_k": max(LENGTHS_KV),
+        "is_causal": not windowed,
+        "scale": None,
+        "window_size": [3, 0],
+        "enable_gqa": False,
+        "seqused_k": None,
+        "block_table": None,
+        "num_splits": None,
+        "backend": CUDNN,
+    }
     return values, (3 if windowed else None)
 
 
@@ -244,8 +256,12 @@ def test_each_release_hands_torch_the_arguments_it_was_given(release_kernels, ve
     values, _ = _call_values(version)
     forward_args = _arguments(_compat.op_schema(ops._varlen_attn), values)
     ops._varlen_attn(*forward_args)
-    values.update(grad_out=torch.ones_like(values["query"]), out=torch.zeros_like(values["query"]), lse=torch.zeros(HEADS, sum(LENGTHS_Q)),
-                  rng_state=torch.zeros(2, dtype=torch.uint64))  # fmt: skip
+    values.update(
+        grad_out=torch.ones_like(values["query"]),
+        out=torch.zeros_like(values["query"]),
+        lse=torch.zeros(HEADS, sum(LENGTHS_Q)),
+        rng_state=torch.zeros(2, dtype=torch.uint64),
+    )
     backward_args = _arguments(_compat.op_schema(ops._varlen_attn_backward), values)
     ops._varlen_attn_backward(*backward_args)
     (forward_name, got_forward, forward_kwargs), (backward_name, got_backward, backward_kwargs) = torch_kernels.calls

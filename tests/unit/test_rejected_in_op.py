@@ -4,12 +4,12 @@ with the ops' real kernels registered for CPU and every graph rejected (``emulat
 
 import pytest
 import torch
-from support.emulated_cudnn import emulated
-from support.reference64 import reference_attention, reference_varlen_attention
 
 import cudnn_attention
 from cudnn_attention import cudnn_ops
 from cudnn_attention.cudnn_graphs import GraphRejected
+from support.emulated_cudnn import emulated
+from support.reference64 import reference_attention, reference_varlen_attention
 
 REASON = "cuDNN rejected the forward graph: rejected in this test"
 

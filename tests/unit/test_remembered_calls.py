@@ -3,9 +3,10 @@ straight to the kernels: here on the CPU, with resolve and kernel stood in for (
 call must give the fresh call's result with its own per-call values (lengths, prefix sums), resolve again whenever
 anything that decides the plan changes, and never be remembered when its inputs were changed on the way."""
 
-import cudnn_attention
 import pytest
 import torch
+
+import cudnn_attention
 from cudnn_attention import cudnn_graphs
 from cudnn_attention import plan as plans
 from cudnn_attention.masking import MaskSpec, effective_lengths, make_mask_spec
@@ -23,8 +24,9 @@ def test_a_remembered_dense_call_reads_its_own_lengths(served_on_cpu):
     mask = make_mask_spec(causal=True, bottom_right=True, window_size=(3, 0))
     for lengths_q, lengths_kv in (([7, 3], [7, 5]), ([2, 0], [6, 7])):  # same shapes, other values
         seqlens_q, seqlens_kv = torch.tensor(lengths_q), torch.tensor(lengths_kv)
-        out = cudnn_attention.attention(q, k, v, causal=True, bottom_right=True, window_size=(3, 0), sinks=sinks, seqlens_q=seqlens_q,
-                                        seqlens_kv=seqlens_kv)  # fmt: skip
+        out = cudnn_attention.attention(
+            q, k, v, causal=True, bottom_right=True, window_size=(3, 0), sinks=sinks, seqlens_q=seqlens_q, seqlens_kv=seqlens_kv
+        )
         len_q, len_kv = effective_lengths(seqlens_q, seqlens_kv, 7, 7)
         want, _ = dense_reference(q, k, v, scale=8**-0.5, mask=mask, sinks_H=sinks, seqlens_q_B=len_q, seqlens_kv_B=len_kv)
         torch.testing.assert_close(out, want, rtol=0, atol=0)
@@ -98,8 +100,22 @@ def test_calls_that_are_not_remembered(served_on_cpu, monkeypatch, why):
 
 def _spec(n: int) -> cudnn_graphs.GraphSpec:
     return cudnn_graphs.GraphSpec(
-        direction="forward", device_index=0, dtype=torch.bfloat16, batch=1, heads_q=n, heads_kv=n, seq_q=64, seq_kv=64, dim_qk=64, dim_v=64,
-        q_strides=(), k_strides=(), v_strides=(), o_strides=(), scale=0.125, mask=MaskSpec(-1, 0),
+        direction="forward",
+        device_index=0,
+        dtype=torch.bfloat16,
+        batch=1,
+        heads_q=n,
+        heads_kv=n,
+        seq_q=64,
+        seq_kv=64,
+        dim_qk=64,
+        dim_v=64,
+        q_strides=(),
+        k_strides=(),
+        v_strides=(),
+        o_strides=(),
+        scale=0.125,
+        mask=MaskSpec(-1, 0),
     )
 
 

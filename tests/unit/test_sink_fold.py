@@ -8,8 +8,8 @@ import torch
 
 from cudnn_attention import plan as plans
 from cudnn_attention.call import AttentionCall
-from cudnn_attention.launch import _packed_absent_rows
 from cudnn_attention.fused_sinks import fold_sinks
+from cudnn_attention.launch import _packed_absent_rows
 from cudnn_attention.masking import effective_lengths, make_mask_spec
 from cudnn_attention.reference import dense_reference, varlen_reference
 
@@ -21,7 +21,10 @@ def test_fold_gives_the_sink_forward_dense_with_padding_and_empty_rows():
     seqlens_q, seqlens_kv = effective_lengths(torch.tensor([9, 4, 3]), torch.tensor([5, 0, 2]), 9, 11)
     lengths = dict(seqlens_q_B=seqlens_q, seqlens_kv_B=seqlens_kv)
     # More queries than keys: with either mask some valid rows see no key (they see the sink alone).
-    for mask in (make_mask_spec(causal=True, bottom_right=True, window_size=(3, -1)), make_mask_spec(causal=False, bottom_right=False, window_size=(0, 0))):
+    for mask in (
+        make_mask_spec(causal=True, bottom_right=True, window_size=(3, -1)),
+        make_mask_spec(causal=False, bottom_right=False, window_size=(0, 0)),
+    ):
         out, lse = dense_reference(q, k, v, scale=0.3, mask=mask, **lengths)
         want_out, want_lse = dense_reference(q, k, v, scale=0.3, mask=mask, sinks_H=sinks, **lengths)
         absent = (torch.arange(9) >= seqlens_q.view(-1, 1)).view(3, 1, 9)
@@ -75,7 +78,13 @@ def _sink_call(*, packed: bool, needs_grad: bool) -> tuple[torch.Tensor, Attenti
     mask = make_mask_spec(causal=True, bottom_right=False, window_size=(-1, -1))
     q = torch.zeros(16, 2, 8) if packed else torch.zeros(1, 2, 8, 8)
     return q, AttentionCall(
-        packed=packed, documents=2 if packed else 0, max_seqlen_q=8, max_seqlen_kv=8, scale=0.25, mask=mask, has_sinks=True,
+        packed=packed,
+        documents=2 if packed else 0,
+        max_seqlen_q=8,
+        max_seqlen_kv=8,
+        scale=0.25,
+        mask=mask,
+        has_sinks=True,
         needs_grad=needs_grad,
     )
 
