@@ -141,7 +141,7 @@ def spec_for(direction: str, call: AttentionCall, q, k, v, *, deterministic: boo
 
 class _UID:
     Q, K, V, SINKS, SEQ_Q, SEQ_KV = 1, 2, 3, 4, 5, 6
-    O, STATS = 100, 101
+    OUT, STATS = 100, 101
     DO, DQ, DK, DV = 200, 201, 202, 203
     FIRST_RAGGED = 300
 
@@ -461,9 +461,9 @@ def _forward_nodes(nodes: _Nodes, q, k, v, mask_args: dict) -> list:
     o, stats = nodes.graph.sdpa(
         name="attention", q=q, k=k, v=v, generate_stats=spec.need_lse, attn_scale=spec.scale, sink_token=sinks, **mask_args
     )
-    nodes.output(o, _UID.O, nodes.o_dims, spec.o_strides)
+    nodes.output(o, _UID.OUT, nodes.o_dims, spec.o_strides)
     nodes.set_ragged(o, "q", spec.o_strides[2])
-    uids = [_UID.Q, _UID.K, _UID.V, _UID.O]
+    uids = [_UID.Q, _UID.K, _UID.V, _UID.OUT]
     if spec.need_lse:
         nodes.output(stats, _UID.STATS, nodes.stats_dims, nodes.stats_strides, data_type=cudnn.data_type.FLOAT)
         nodes.set_ragged(stats, "q", H)
@@ -477,7 +477,7 @@ def _backward_nodes(nodes: _Nodes, q, k, v, mask_args: dict) -> list:
     """The backward node (dQ, dK, dV from O, dO and the LSE); returns the operand uids in call order."""
     spec, cudnn = nodes.spec, nodes.cudnn
     B, H, H_kv, S_q, S_kv = spec.batch, spec.heads_q, spec.heads_kv, spec.seq_q, spec.seq_kv
-    o = nodes.tensor("o", _UID.O, nodes.o_dims, spec.o_strides)
+    o = nodes.tensor("o", _UID.OUT, nodes.o_dims, spec.o_strides)
     d_o = nodes.tensor("dO", _UID.DO, nodes.o_dims, spec.o_strides)
     stats = nodes.tensor("stats", _UID.STATS, nodes.stats_dims, nodes.stats_strides, data_type=cudnn.data_type.FLOAT)
     nodes.set_ragged(o, "q", spec.o_strides[2])
@@ -505,4 +505,4 @@ def _backward_nodes(nodes: _Nodes, q, k, v, mask_args: dict) -> list:
     ):
         nodes.output(grad, uid, dims, strides)
         nodes.set_ragged(grad, side, strides[2])
-    return [_UID.Q, _UID.K, _UID.V, _UID.O, _UID.DO, _UID.STATS, _UID.DQ, _UID.DK, _UID.DV]
+    return [_UID.Q, _UID.K, _UID.V, _UID.OUT, _UID.DO, _UID.STATS, _UID.DQ, _UID.DK, _UID.DV]

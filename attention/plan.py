@@ -57,9 +57,10 @@ class Plan(NamedTuple):
 def resolve(q, k, v, call: AttentionCall) -> tuple[Plan | None, str | None]:
     """``(plan, None)`` when cuDNN serves this call, ``(None, reason)`` when it cannot.
 
-    float16/bfloat16 meta tensors answer ``(None, None)`` too: the op serves them with its fake kernel. Under
-    ``torch.compile`` graphs cannot be built while tracing, so the answer is ``(None, None)``: the op is traced, and a configuration cuDNN rejects takes the exact path inside the op at run time, counted and warned
-    about there. A plan is kept for the call value and the tensors' geometry (:func:`~cudnn_attention.call.served_key`).
+    float16/bfloat16 meta tensors answer ``(None, None)`` too: the op serves them with its fake kernel. Under ``torch.compile`` graphs
+    cannot be built while tracing, so the answer is ``(None, None)``: the op is traced, and a configuration cuDNN rejects takes the exact
+    path inside the op at run time, counted and warned about there. A plan is kept for the call value and the tensors' geometry
+    (:func:`~cudnn_attention.call.served_key`).
     """
     if q.device.type == "meta" and q.dtype in (torch.float16, torch.bfloat16):
         # Nothing is computed on meta tensors: the op's fake kernel gives the outputs a GPU call would, and FLOP counters

@@ -144,7 +144,8 @@ def count_provider(path: str, reason: str | None = None) -> None:
 
 
 def _count_and_warn_once(counter: Counter, reason: str, warned_as: str, message: str, *, stacklevel: int) -> None:
-    """Count ``reason`` in ``counter``; warn with ``message`` the first time ``warned_as`` comes up (``stacklevel`` as seen from the caller)."""
+    """Count ``reason`` in ``counter``; warn with ``message`` the first time ``warned_as`` comes up (``stacklevel`` as seen from the
+    caller)."""
     with _lock:
         counter[reason] += 1
         first = warned_as not in _warned

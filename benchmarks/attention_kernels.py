@@ -326,7 +326,10 @@ def sink_forward_comparison(case: Case) -> dict:
     q, k, v, sinks, cu = make_inputs(case)
     max_len, window = max(case.doc_lengths), (case.left, 0)
     q, k, v, sinks = (t.detach() for t in (q, k, v, sinks))
-    run = lambda s: cudnn_attention.varlen_attention(q, k, v, cu, cu, max_len, max_len, causal=True, window_size=window, sinks=s)  # noqa: E731
+
+    def run(s):
+        return cudnn_attention.varlen_attention(q, k, v, cu, cu, max_len, max_len, causal=True, window_size=window, sinks=s)
+
     mask = make_mask_spec(causal=True, bottom_right=False, window_size=window)
     reference, _ = varlen_reference(
         q.float(), k.float(), v.float(), cu, cu, max_len, max_len, scale=case.head_dim**-0.5, mask=mask, sinks_H=sinks
@@ -375,7 +378,8 @@ def markdown(cases, host, sinks=None) -> str:
     lines += [
         "",
         (
-            "Host microseconds per call (the implementations measured in turns, ten rounds of 200 calls, the least round mean of each), B=H=1, S=128, D=64 (packed: two documents of 64); "
+            "Host microseconds per call (the implementations measured in turns, ten rounds of 200 calls, the least round mean of each), "
+            "B=H=1, S=128, D=64 (packed: two documents of 64); "
             "backward is `torch.autograd.grad`, and "
             "less floor is that minus the floor row's (a Python autograd node that does no work):"
         ),
@@ -398,7 +402,8 @@ def markdown(cases, host, sinks=None) -> str:
             "|---|---|---|---|---|",
         ]
         lines += [
-            f"| {way} | {r['fwd_ms']:.3f} | {r.get('vs no sinks', 1.0):.2f}x | {r.get('max_abs_err', float('nan')):.2e} | {', '.join(r['plans'])} |"
+            f"| {way} | {r['fwd_ms']:.3f} | {r.get('vs no sinks', 1.0):.2f}x | {r.get('max_abs_err', float('nan')):.2e} | "
+            f"{', '.join(r['plans'])} |"
             for way, r in ways.items()
             if way != "default"
         ]

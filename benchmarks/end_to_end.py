@@ -367,7 +367,10 @@ def markdown(rows: list[dict], header: list[str]) -> str:
         if r.get("profile"):
             lines += [
                 "",
-                f"Top kernels, {r['config']} / {r['implementation']} / {r['packing']} (kernels busy {r['profile']['busy_ms']:.1f} ms of a {r['step_ms']:.1f} ms step):",
+                (
+                    f"Top kernels, {r['config']} / {r['implementation']} / {r['packing']} "
+                    f"(kernels busy {r['profile']['busy_ms']:.1f} ms of a {r['step_ms']:.1f} ms step):"
+                ),
                 "",
                 "| ms | calls | % of step | category | kernel |",
                 "|---|---|---|---|---|",
@@ -383,7 +386,8 @@ def describe(setup: Setup) -> str:
     lead = f", one of {setup.lead_document:,} in every step" if setup.lead_document else ""
     extra = f", window {shape.window} on even layers, sinks, {shape.experts} experts (all used)" if setup.family == "gpt_oss" else ""
     return (
-        f"{setup.name}: {setup.family}, {shape.layers} layers, hidden {shape.hidden}, {shape.heads}/{shape.kv_heads} heads x {shape.head_dim}, "
+        f"{setup.name}: {setup.family}, {shape.layers} layers, hidden {shape.hidden}, "
+        f"{shape.heads}/{shape.kv_heads} heads x {shape.head_dim}, "
         f"MLP {shape.intermediate}{extra}, vocab {setup.vocab}; {setup.tokens:,} tokens per step in one row, documents of "
         f"{setup.doc_range[0]}-{setup.doc_range[1]}{lead}."
     )
@@ -398,7 +402,10 @@ def environment(args, device: str) -> list[str]:
         frontend = "not installed"
     where = torch.cuda.get_device_name() if device == "cuda" else f"CPU ({platform.processor() or platform.machine()})"
     lines = [
-        f"{where}; torch {torch.__version__}, transformers {transformers.__version__}, cuDNN {torch.backends.cudnn.version()}, frontend {frontend}.",
+        (
+            f"{where}; torch {torch.__version__}, transformers {transformers.__version__}, "
+            f"cuDNN {torch.backends.cudnn.version()}, frontend {frontend}."
+        ),
         (
             f"bf16 weights and AdamW states (no autocast); {args.warmup} untimed warm-up step(s) (flex_attention's compile among them), "
             + (

@@ -276,7 +276,10 @@ def implementation_rows(records: list[dict]) -> list[str]:
         "loss diff from eager: max / second-half mean",
         "attention served by",
     ]
-    failed = lambda r: [_label(r), f"failed (rc {r['rc']})", *[""] * 6, f"see logs/{_label(r)}.log"]
+
+    def failed(r):
+        return [_label(r), f"failed (rc {r['rc']})", *[""] * 6, f"see logs/{_label(r)}.log"]
+
     return _table(columns, records, _implementation_cells, failed)
 
 

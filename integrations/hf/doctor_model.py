@@ -4,9 +4,10 @@ The model runs three times on the same random batch with the same weights: ``att
 bfloat16 (what is checked), ``"eager"`` in bfloat16 (torch's own low-precision error, the rule's yardstick) and
 ``"eager"`` in float32 (the reference). The logits must be within the doctor's rule (twice eager bfloat16's largest
 error plus 1e-3 of the largest logit); the gradients, every parameter's as one vector, within the GPU tests'
-whole-tensor rule: relative error at most twice eager bfloat16's plus 1e-3 (see :func:`_gradient_measurements`). The loss is the next-token cross-entropy inside each document, summed. Two batches: two dense
-rows, and one row of packed documents marked by ``position_ids`` (the way transformers' padding-free collator marks
-them), which eager runs document by document: not every model's eager keeps packed documents apart.
+whole-tensor rule: relative error at most twice eager bfloat16's plus 1e-3 (see :func:`_gradient_measurements`). The
+loss is the next-token cross-entropy inside each document, summed. Two batches: two dense rows, and one row of packed
+documents marked by ``position_ids`` (the way transformers' padding-free collator marks them), which eager runs document
+by document: not every model's eager keeps packed documents apart.
 
 A directory holding weights is loaded with them; a config (a ``config.json``, or a directory or hub id without
 weights) gives a random model of its first layers: one of each attention type its ``layer_types`` declares, else

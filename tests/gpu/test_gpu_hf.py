@@ -216,7 +216,8 @@ def assert_greedy_within_bf16_noise(what, got, eager, ref, prompt_len):
             rows = (got_tokens != eager_tokens).nonzero().view(-1)
             margin = eager_logits.float()[rows, eager_tokens[rows]] - eager_logits.float()[rows, got_tokens[rows]]
             assert (margin <= noise).all(), (
-                f"{what} step {step}: token {got_tokens[rows].tolist()} instead of {eager_tokens[rows].tolist()}, margin {margin.tolist()} > noise {noise:.3g}"
+                f"{what} step {step}: token {got_tokens[rows].tolist()} instead of {eager_tokens[rows].tolist()}, "
+                f"margin {margin.tolist()} > noise {noise:.3g}"
             )
             break
     else:

@@ -270,7 +270,8 @@ def test_dsink_error_over_a_grid(capsys):
         assert check["ok"], (layout, lengths, check["why"], err, implied, flash, low)
     with capsys.disabled():
         print(
-            "\n| layout | lengths | H | D | window | reduction vs fp64 identity on own O | dSink err | implied by O | flash-style (bf16 O) | bf16 autograd |"
+            "\n| layout | lengths | H | D | window | reduction vs fp64 identity on own O | dSink err | implied by O | "
+            "flash-style (bf16 O) | bf16 autograd |"
         )
         print("|---|---|---|---|---|---|---|---|---|---|")
         for layout, lengths, H, D, window, reduction, err, implied, flash, low in rows:
@@ -288,7 +289,9 @@ def test_a_short_script_exits_without_the_frontends_leak_report():
         cu = torch.tensor([0, 30, 64], device="cuda", dtype=torch.int32)
         cudnn_attention.attention(q, q, q, causal=True).sum().backward()
         t = q.detach()[0].transpose(0, 1).contiguous().requires_grad_()
-        cudnn_attention.varlen_attention(t, t, t, cu, cu, 34, 34, causal=True, sinks=torch.zeros(4, device="cuda", requires_grad=True)).sum().backward()
+        cudnn_attention.varlen_attention(
+            t, t, t, cu, cu, 34, 34, causal=True, sinks=torch.zeros(4, device="cuda", requires_grad=True)
+        ).sum().backward()
         assert cudnn_attention.stats()["cudnn_backward"] == 2, cudnn_attention.stats()
         print("done")
     """)

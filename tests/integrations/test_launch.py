@@ -95,7 +95,11 @@ def test_run_without_a_runnable_command_says_what_to_give(argv, message, capsys)
 
 def test_start_up_imports_nothing_and_a_shadowed_sitecustomize_still_runs(tmp_path):
     (tmp_path / "sitecustomize.py").write_text("import os\nos.environ['THEIRS_RAN'] = '1'\n")
-    code = "import json, os, sys; print(json.dumps([sorted(m for m in ('torch', 'transformers', 'cudnn_attention') if m in sys.modules), os.environ.get('THEIRS_RAN')]))"
+    code = (
+        "import json, os, sys; "
+        "print(json.dumps([sorted(m for m in ('torch', 'transformers', 'cudnn_attention') if m in sys.modules), "
+        "os.environ.get('THEIRS_RAN')]))"
+    )
     result = _run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(tmp_path)})
     assert last_json(result) == [[], "1"]
 

@@ -17,10 +17,11 @@ import cudnn_attention
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("matplotlib")
 
-from cudnn_attention.recipes import quickstart, train_lightning, train_sliding_window
-from cudnn_attention.recipes.common import RecipeDataWarning
-from cudnn_attention.recipes.common.errors import run_command
-from cudnn_attention.recipes.common.hf_trainer import parse
+# After the skips: a machine without the extras skips this module before importing the recipes.
+from cudnn_attention.recipes import quickstart, train_lightning, train_sliding_window  # noqa: E402
+from cudnn_attention.recipes.common import RecipeDataWarning  # noqa: E402
+from cudnn_attention.recipes.common.errors import run_command  # noqa: E402
+from cudnn_attention.recipes.common.hf_trainer import parse  # noqa: E402
 
 pytestmark = pytest.mark.no_gpu  # --strict, --size and the device defaults are what a machine without a GPU does
 RECIPES = Path(train_sliding_window.__file__).parent

@@ -151,7 +151,8 @@ def test_a_mistake_on_the_command_line_ends_in_one_line_without_a_traceback(tmp_
     )
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     assert done.stderr.strip().splitlines()[-1] == (
-        "train_sliding_window.py: error: dataset 'book.txt' is not a local file: pass the path of a .txt or .jsonl file (nothing is downloaded)"
+        "train_sliding_window.py: error: dataset 'book.txt' is not a local file: "
+        "pass the path of a .txt or .jsonl file (nothing is downloaded)"
     )
     assert not any(tmp_path.iterdir())
 

@@ -14,7 +14,6 @@ import pytest
 import torch
 
 import cudnn_attention
-from cudnn_attention import cudnn_ops  # noqa: F401
 from cudnn_attention import flash_attn_interface as fai
 
 F64 = torch.float64

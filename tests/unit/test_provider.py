@@ -110,7 +110,8 @@ def test_import_changes_nothing():
         (
             "import importlib.util, torch; spec = importlib.util.spec_from_file_location('compat', COMPAT);"
             " compat = importlib.util.module_from_spec(spec); spec.loader.exec_module(compat);"
-            " state = lambda: ([compat.kernel_registrations(op, key) for op in OPS for key in ('CUDA', 'CPU')], compat.sdp_priority_order(),"
+            " state = lambda: ([compat.kernel_registrations(op, key) for op in OPS for key in ('CUDA', 'CPU')],"
+            " compat.sdp_priority_order(),"
             " torch.backends.cuda.cudnn_sdp_enabled());"
             " before = state(); import cudnn_attention; after = state(); assert before == after, (before, after);"
             " assert cudnn_attention.provider.current() is None; print('ok')"

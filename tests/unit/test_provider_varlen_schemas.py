@@ -43,7 +43,8 @@ def test_stored_schemas_are_the_installed_torchs():
     release = RELEASES.get(_installed_release())
     if release is None:
         pytest.fail(
-            f"no entry for torch {torch.__version__} in tests/data/torch_varlen_schemas.json: add it (tests/data/varlen_schemas_from_wheels.py)"
+            f"no entry for torch {torch.__version__} in tests/data/torch_varlen_schemas.json: "
+            "add it (tests/data/varlen_schemas_from_wheels.py)"
         )
     if release["schemas"]:
         importlib.import_module("torch.nn.attention.varlen")  # defines the torch_attn ops
