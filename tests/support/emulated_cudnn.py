@@ -67,13 +67,16 @@ def plan_for(call: AttentionCall) -> Plan:
 
 @contextlib.contextmanager
 def emulated(monkeypatch, *, op: bool = False):
-    """Serve calls on CPU with emulated graphs; yields the launch counts by direction. The eager bypass serves
+    """Serve calls on CPU with emulated graphs; yields the launch counts by direction, and under ``"algorithms"`` the
+    algorithm (``deterministic``) each backward launch's graph was resolved for. The eager bypass serves
     calls with gradients (plain tensors), unless ``op``: then the ops do, through CPU kernels registered until
     the end of the block (``_forward_cuda``/``_backward_cuda`` themselves)."""
-    launches = {"forward": 0, "backward": 0}
+    launches = {"forward": 0, "backward": 0, "algorithms": []}
 
     def execute(graph, operands, device_index):
         launches[graph.spec.direction] += 1
+        if graph.spec.direction == "backward":
+            launches["algorithms"].append(graph.deterministic)
         (_forward if graph.spec.direction == "forward" else _backward)(graph, operands)
 
     monkeypatch.setattr(launch, "execute", execute)

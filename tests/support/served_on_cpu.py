@@ -12,7 +12,7 @@ import pytest
 
 from cudnn_attention import api, cudnn_graphs
 from cudnn_attention import plan as plans
-from cudnn_attention.reference import dense_reference, varlen_reference
+from cudnn_attention.reference import exact_attention
 
 
 class NoGraphs:
@@ -31,22 +31,7 @@ def served_on_cpu(monkeypatch):
 
     def launch(plan, call, q, k, v, *, sinks, lengths):
         counts["launch"] += 1
-        if call.packed:
-            return varlen_reference(
-                q,
-                k,
-                v,
-                lengths.cu_seqlens_q,
-                lengths.cu_seqlens_kv,
-                call.max_seqlen_q,
-                call.max_seqlen_kv,
-                scale=call.scale,
-                mask=call.mask,
-                sinks_H=sinks,
-            )
-        return dense_reference(
-            q, k, v, scale=call.scale, mask=call.mask, sinks_H=sinks, seqlens_q_B=lengths.seqlens_q, seqlens_kv_B=lengths.seqlens_kv
-        )
+        return exact_attention(call, q, k, v, sinks=sinks, lengths=lengths)
 
     monkeypatch.setattr(plans, "resolve", resolve)
     monkeypatch.setattr(api, "cudnn_forward", launch)

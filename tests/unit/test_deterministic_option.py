@@ -5,7 +5,6 @@ import pytest
 import torch
 
 import cudnn_attention
-from cudnn_attention import launch
 from support.emulated_cudnn import emulated
 
 
@@ -13,17 +12,8 @@ from support.emulated_cudnn import emulated
 def backward_algorithms(monkeypatch, request):
     """Emulated cuDNN, served by the eager bypass or through the ops; yields the algorithm (``deterministic``) of
     every backward graph launched."""
-    asked = []
-    with emulated(monkeypatch, op=request.param == "op") as _launches:
-        emulated_execute = launch.execute
-
-        def execute(graph, operands, device_index):
-            if graph.spec.direction == "backward":
-                asked.append(graph.deterministic)
-            emulated_execute(graph, operands, device_index)
-
-        monkeypatch.setattr(launch, "execute", execute)
-        yield asked
+    with emulated(monkeypatch, op=request.param == "op") as launches:
+        yield launches["algorithms"]
 
 
 def _leaves(packed: bool):
