@@ -20,7 +20,7 @@ import torch
 
 from . import validation
 from .layouts import token_major
-from .masking import MaskSpec, effective_lengths, make_mask_spec
+from .masking import MaskSpec, effective_lengths, is_int_window, make_mask_spec
 
 __all__ = [
     "NO_LENGTHS",
@@ -148,12 +148,12 @@ def argument_options(q, k, v, scale, causal, bottom_right, window_size, sinks, r
     """The options part of an argument key (:func:`served_key`), or None (validate every time) for tensor
     subclasses, options of other types than the documented ones (``True == 1`` and ``1.0 == 1`` as keys, but
     validation tells them apart) and while tracing. ``index_tensors``: the index tensors (their shapes,
-    dtypes and devices go in); ``ints``: the packed maxima; ``options``: the values of :data:`OP_OPTIONS`."""
+    dtypes and devices go in); ``ints``: the packed maxima; ``options``: the values of the :data:`OP_OPTIONS` but the scale."""
     if type(q) is not torch.Tensor or type(k) is not torch.Tensor or type(v) is not torch.Tensor:
         return None
     if not (scale is None or type(scale) is float) or type(causal) is not bool or type(bottom_right) is not bool:
         return None
-    if not (type(window_size) is tuple and len(window_size) == 2 and type(window_size[0]) is int and type(window_size[1]) is int):
+    if not is_int_window(window_size):
         return None
     if sinks is not None and not isinstance(sinks, torch.Tensor):
         return None

@@ -13,7 +13,6 @@ per device and stream, as torch keeps cuBLAS's. Why: docs/decisions/0004-execute
 from __future__ import annotations
 
 import array
-import logging
 import threading
 
 import torch
@@ -22,7 +21,7 @@ from . import _compat, tensor_memo
 from .call import Lengths
 from .fused_sinks import fold_sinks, sink_gradient
 from .layouts import allocate_backward_outputs, allocate_forward_outputs
-from .policy import count_cudnn
+from .policy import count_cudnn, note_copy
 
 __all__ = [
     "aligned",
@@ -35,8 +34,6 @@ __all__ = [
     "run_backward",
     "run_forward",
 ]
-
-_logger = logging.getLogger(__name__)
 
 # Workspaces up to this size are kept per (device, stream) between calls; larger ones (a packed
 # backward's dQ accumulator can take hundreds of MiB) come from the caching allocator each call.
@@ -148,7 +145,7 @@ def execute(graph, operands: list, device_index: int) -> None:
 def aligned(t: torch.Tensor, name: str) -> torch.Tensor:
     # cuDNN descriptors need a 16-byte aligned base; equal strides with an odd offset would fault.
     if t.data_ptr() % 16:
-        _logger.warning("cudnn_attention: copying %s to a 16-byte aligned buffer (slow path)", name)
+        note_copy(f"{name} (alignment)", f"cudnn_attention: copying {name} to a 16-byte aligned buffer on each such call (said once)")
         return torch.empty_like(t).copy_(t)
     return t
 
