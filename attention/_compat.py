@@ -199,14 +199,16 @@ def fx_symbolic_tracing() -> bool:
     """Whether ``torch.fx.symbolic_trace`` is tracing the caller, torch.compile and torch.export excepted (ask
     ``torch.compiler.is_compiling()`` for those).
 
-    ``torch.fx._symbolic_trace.is_fx_symbolic_tracing``, where torch has it (checked against 2.13); elsewhere
-    the flag it reads, ``_is_fx_tracing_flag`` (since torch 1.13), without ``is_fx_tracing``, which logs a warning
-    the first time it is asked on the torch versions that have both. No public equivalent: transformers asks
-    ``isinstance(tensor, torch.fx.Proxy)`` of a tensor instead."""
+    ``torch.fx._symbolic_trace.is_fx_symbolic_tracing``, which every supported torch has (2.9 to 2.15 checked);
+    elsewhere the state it reads: a thread-local behind ``_get_is_fx_tracing()`` (2.14, 2.15) or the module flag
+    ``_is_fx_tracing_flag`` (1.13 to 2.13), never ``is_fx_tracing``, which logs a warning the first time it is
+    asked. No public equivalent: transformers asks ``isinstance(tensor, torch.fx.Proxy)`` of a tensor instead."""
     asker = getattr(_symbolic_trace, "is_fx_symbolic_tracing", None)
     if asker is not None:
         return asker()
-    return bool(_symbolic_trace._is_fx_tracing_flag) and not torch.compiler.is_compiling()
+    getter = getattr(_symbolic_trace, "_get_is_fx_tracing", None)
+    flag = getter() if getter is not None else _symbolic_trace._is_fx_tracing_flag
+    return bool(flag) and not torch.compiler.is_compiling()
 
 
 def current_raw_stream(device_index: int) -> int:
