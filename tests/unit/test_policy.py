@@ -7,6 +7,7 @@ import torch
 
 import cudnn_attention
 from cudnn_attention import CudnnAttentionFallbackWarning, StrictModeError
+from support.graph_specs import graph_spec
 
 
 def cpu_inputs(requires_grad=False):
@@ -96,7 +97,6 @@ def test_a_graph_build_or_rejection_does_not_pin_the_callers_tensors(monkeypatch
     import weakref
 
     from cudnn_attention import cudnn_graphs, launch
-    from cudnn_attention.masking import MaskSpec
 
     def pygraph(**_):  # the frontend's pattern: the last mode's error kept in a local, and raised when every mode failed
         failure = None
@@ -111,24 +111,7 @@ def test_a_graph_build_or_rejection_does_not_pin_the_callers_tensors(monkeypatch
     monkeypatch.setattr(launch, "frontend", lambda: frontend)
     monkeypatch.setattr(launch, "bound_handle", lambda device_index: (None, 0))
     monkeypatch.setattr(torch.cuda, "device", lambda index: contextlib.nullcontext())
-    spec = cudnn_graphs.GraphSpec(
-        direction="forward",
-        device_index=0,
-        dtype=torch.bfloat16,
-        batch=1,
-        heads_q=2,
-        heads_kv=2,
-        seq_q=64,
-        seq_kv=64,
-        dim_qk=64,
-        dim_v=64,
-        q_strides=(1,) * 4,
-        k_strides=(1,) * 4,
-        v_strides=(1,) * 4,
-        o_strides=(1,) * 4,
-        scale=0.125,
-        mask=MaskSpec(-1, 0),
-    )
+    spec = graph_spec()
 
     def forward_that_builds():
         activation = torch.ones(1024)  # stands for a forward's activations, alive in a calling frame
@@ -151,7 +134,6 @@ def test_a_graph_build_or_rejection_does_not_pin_the_callers_tensors(monkeypatch
 
 def test_graph_builds_and_rejections_are_counted_with_their_time(monkeypatch):
     from cudnn_attention import cudnn_graphs
-    from cudnn_attention.masking import MaskSpec
 
     def fake_build(spec):
         if spec.batch == 3:
@@ -161,29 +143,12 @@ def test_graph_builds_and_rejections_are_counted_with_their_time(monkeypatch):
     monkeypatch.setattr(cudnn_graphs, "_build", fake_build)
     cudnn_graphs.clear_cache()
     cudnn_attention.reset_stats()
-    base = dict(
-        device_index=0,
-        dtype=torch.bfloat16,
-        heads_q=2,
-        heads_kv=2,
-        seq_q=64,
-        seq_kv=64,
-        dim_qk=64,
-        dim_v=64,
-        q_strides=(1,) * 4,
-        k_strides=(1,) * 4,
-        v_strides=(1,) * 4,
-        o_strides=(1,) * 4,
-        scale=0.125,
-        mask=MaskSpec(-1, 0),
-        packed=True,
-        need_lse=True,
-    )
+    base = dict(packed=True, need_lse=True)
     try:
         for direction in ("forward", "forward", "backward"):  # the second forward is a cache hit
-            cudnn_graphs.get_graph(cudnn_graphs.GraphSpec(direction=direction, batch=1, **base))
+            cudnn_graphs.get_graph(graph_spec(direction=direction, batch=1, **base))
         with pytest.raises(cudnn_graphs.GraphRejected, match="unsupported"):
-            cudnn_graphs.get_graph(cudnn_graphs.GraphSpec(direction="forward", batch=3, **base))
+            cudnn_graphs.get_graph(graph_spec(direction="forward", batch=3, **base))
         builds = cudnn_attention.stats()["graph_builds"]
         assert builds["forward"] == 2 and builds["backward"] == 1 and builds["seconds"] > 0.0, builds
         cudnn_attention.reset_stats()

@@ -9,8 +9,9 @@ import torch
 import cudnn_attention
 from cudnn_attention import cudnn_graphs
 from cudnn_attention import plan as plans
-from cudnn_attention.masking import MaskSpec, effective_lengths, make_mask_spec
+from cudnn_attention.masking import effective_lengths, make_mask_spec
 from cudnn_attention.reference import dense_reference, varlen_reference
+from support.graph_specs import graph_spec
 
 
 def _dense(seed=0, B=2, H=4, H_kv=2, S=7, D=8):
@@ -99,24 +100,7 @@ def test_calls_that_are_not_remembered(served_on_cpu, monkeypatch, why):
 
 
 def _spec(n: int) -> cudnn_graphs.GraphSpec:
-    return cudnn_graphs.GraphSpec(
-        direction="forward",
-        device_index=0,
-        dtype=torch.bfloat16,
-        batch=1,
-        heads_q=n,
-        heads_kv=n,
-        seq_q=64,
-        seq_kv=64,
-        dim_qk=64,
-        dim_v=64,
-        q_strides=(),
-        k_strides=(),
-        v_strides=(),
-        o_strides=(),
-        scale=0.125,
-        mask=MaskSpec(-1, 0),
-    )
+    return graph_spec(heads_q=n, heads_kv=n, q_strides=(), k_strides=(), v_strides=(), o_strides=())
 
 
 def test_memo_entries_go_with_their_graphs_and_stay_bounded(monkeypatch):
