@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from .layouts import like_layout_strides
 from .masking import MaskSpec, visible_keys
 
 __all__ = ["dense_reference", "exact_attention", "math_dtype", "varlen_reference"]
@@ -189,6 +190,10 @@ def exact_attention(call, q, k, v, *, sinks, lengths) -> tuple[torch.Tensor, tor
             mask=call.mask,
             sinks_H=sinks,
         )
-    return dense_reference(
+    out, lse = dense_reference(
         q, k, v, scale=call.scale, mask=call.mask, sinks_H=sinks, seqlens_q_B=lengths.seqlens_q, seqlens_kv_B=lengths.seqlens_kv
     )
+    # A dense output adopts q's layout on every path (layouts.allocate_forward_outputs): a caller that reads the result
+    # as (B, S, H, D), as FlashAttention's interface and transformers do, must get the same strides from a fallback.
+    laid_out = torch.empty_strided(out.shape, like_layout_strides(tuple(out.shape), q), dtype=out.dtype, device=out.device)
+    return laid_out.copy_(out), lse

@@ -270,7 +270,10 @@ def note_every_token_covered(cu_seqlens_q, cu_seqlens_kv, total_q: int, total_kv
 
 def every_token_covered(cu_seqlens_q, cu_seqlens_kv, total_q: int, total_kv: int) -> bool:
     """Whether :func:`note_every_token_covered` holds for these tensors as they are now. Never while
-    capturing a CUDA graph: a replay runs whatever batch is copied into the captured tensors."""
+    capturing a CUDA graph: a replay runs whatever batch is copied into the captured tensors. Never while
+    ``torch.compile`` traces: fake tensors carry no memo, and the op's kernel asks again of the real ones."""
+    if torch.compiler.is_compiling():
+        return False
     if cu_seqlens_q.is_cuda and torch.cuda.is_current_stream_capturing():
         return False
     return tensor_memo.recall(cu_seqlens_q, (_EVERY_TOKEN_COVERED, total_q, total_kv), cu_seqlens_kv) is True

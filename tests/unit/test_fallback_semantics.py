@@ -193,3 +193,13 @@ def test_fallback_warning_points_at_the_callers_line(entry):
         line = sys._getframe().f_lineno + 1
         getattr(cudnn_attention, entry)(*args, causal=True)
     assert [(w.filename, w.lineno) for w in record] == [(__file__, line)]
+
+
+def test_a_dense_fallback_lays_out_its_output_as_q_is():
+    # The cuDNN path's output adopts q's layout; the exact path's must too: FlashAttention's interface and transformers
+    # read a (B, S, H, D) leaf's result as (B, S, H, D). A GPU run found a fallback's strides were (B, H, S, D)'s.
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 7, h, 8).transpose(1, 2) for h in (4, 2, 2))
+    out = cudnn_attention.attention(q, k, v, causal=True)
+    assert out.transpose(1, 2).is_contiguous(), out.stride()
+    assert_close_rel(out, reference_attention(q, k, v, causal=True), "out")
