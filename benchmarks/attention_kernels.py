@@ -1,16 +1,22 @@
-"""Forward/backward time and TFLOP/s of cudnn_attention against torch flash, torch's C++ cuDNN path
-and the cuDNN frontend's own torch ops, at the shapes of the project's GPU baseline; plus host
-microseconds per call at a tiny shape.
+"""Forward/backward time and TFLOP/s of cudnn_attention against FlashAttention 4 (where ``flash_attn.cute`` imports),
+flex_attention, torch flash, torch's C++ cuDNN path and the cuDNN frontend's own torch ops, at the shapes of the
+project's GPU baseline, each dense shape in both layouts (transformers' (B, S, H, D) buffers seen as (B, H, S, D), and
+contiguous (B, H, S, D)); plus host microseconds per call at a tiny shape.
 
     python benchmarks/attention_kernels.py --out benchmarks/results
 
-Prints a Markdown table and writes ``attention_kernels.json`` and ``attention_kernels.md``.
-Times are medians of CUDA-event timings of 10 back-to-back calls after warm-up; every implementation runs in the same process.
+Prints a Markdown table and writes ``attention_kernels.json`` and ``attention_kernels.md``; the header names the cuDNN
+that torch and the frontend loaded. Times are medians of CUDA-event timings of 10 back-to-back calls after warm-up; every
+implementation runs in the same process. FlashAttention 4 compiles each new shape on its first call: that time is
+reported apart (``first_call_s``), with the kernels it compiled, and ``--fa4-recompiles`` counts them over steps
+whose documents vary in length, as a packed fine-tuning run's do.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import importlib.metadata
 import itertools
 import json
 import statistics
@@ -23,7 +29,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import cudnn_attention
-from cudnn_attention import validation
+from cudnn_attention import environment, validation
 from cudnn_attention.cudnn_graphs import built_plans, clear_cache
 
 
@@ -37,6 +43,7 @@ class Case:
     packed: bool
     left: int = -1  # FlashAttention window, causal always
     sinks: bool = False
+    layout: str = "bshd"  # dense only: "bshd", (B, S, H, D) buffers seen as (B, H, S, D) (transformers'); "bhsd", contiguous
     results: dict = field(default_factory=dict)
 
     def visible_pairs(self) -> int:
@@ -49,17 +56,28 @@ class Case:
 
 
 PACKED_DOCS = [4096, 2900, 2048, 1800, 1500, 1024, 772, 128]  # 8 documents, T = 14268
+DENSE_SHAPES = [  # (name, H_q, H_kv, D, lengths, window left)
+    ("dense S=1024 B=2", 32, 8, 128, [1024] * 2, -1),
+    ("dense S=4096 B=2", 32, 8, 128, [4096] * 2, -1),
+    ("dense S=8192 B=1", 32, 8, 128, [8192], -1),
+    ("dense S=8192 B=2", 32, 8, 128, [8192] * 2, -1),
+    ("dense S=8192 B=1 H=64/8 (NVIDIA's H200 table)", 64, 8, 128, [8192], -1),
+    ("dense S=2048 B=4 H=16/4 D=64", 16, 4, 64, [2048] * 4, -1),
+    ("dense S=2048 B=4 H=16/16 D=64", 16, 16, 64, [2048] * 4, -1),
+    ("dense S=4096 B=2 window 512", 32, 8, 128, [4096] * 2, 512),
+]
 CASES = [
-    Case("dense S=1024 B=2", 32, 8, 128, [1024] * 2, False),
-    Case("dense S=4096 B=2", 32, 8, 128, [4096] * 2, False),
-    Case("dense S=8192 B=1", 32, 8, 128, [8192], False),
-    Case("dense S=2048 B=4 H=16 D=64", 16, 4, 64, [2048] * 4, False),
-    Case("dense S=4096 B=2 window 512", 32, 8, 128, [4096] * 2, False, left=512),
+    Case(f"{name} {layout}", hq, hkv, d, lengths, False, left=left, layout=layout)
+    for name, hq, hkv, d, lengths, left in DENSE_SHAPES
+    for layout in ("bshd", "bhsd")
+] + [
     Case("packed T=14268", 32, 8, 128, PACKED_DOCS, True),
     Case("packed T=14268 window 512", 32, 8, 128, PACKED_DOCS, True, left=512),
     Case("packed gpt-oss H=64/8 D=64 window 128", 64, 8, 64, PACKED_DOCS, True, left=128),
     Case("packed gpt-oss H=64/8 D=64 window 128 sinks", 64, 8, 64, PACKED_DOCS, True, left=128, sinks=True),
     Case("packed gpt-oss H=64/8 D=64 sinks", 64, 8, 64, PACKED_DOCS, True, sinks=True),  # its full-attention layers
+    Case("packed gpt-oss 8 x 2048 window 128 sinks", 64, 8, 64, [2048] * 8, True, left=128, sinks=True),  # notes/fa4-on-device.md
+    Case("packed gpt-oss 8 x 2048 sinks", 64, 8, 64, [2048] * 8, True, sinks=True),
 ]
 
 
@@ -89,11 +107,14 @@ def make_inputs(case: Case, seed=0):
         T = sum(case.doc_lengths)
         q = torch.randn(T, case.heads_q, case.head_dim, device=dev, dtype=dt, requires_grad=True)
         k = torch.randn(T, case.heads_kv, case.head_dim, device=dev, dtype=dt, requires_grad=True)
-    else:
+    elif case.layout == "bshd":  # transformers' layout: (B, S, H, D) buffers seen as (B, H, S, D)
         B, S = len(case.doc_lengths), case.doc_lengths[0]
-        # transformers' layout: (B, S, H, D) buffers seen as (B, H, S, D)
         q = torch.randn(B, S, case.heads_q, case.head_dim, device=dev, dtype=dt).transpose(1, 2).requires_grad_()
         k = torch.randn(B, S, case.heads_kv, case.head_dim, device=dev, dtype=dt).transpose(1, 2).requires_grad_()
+    else:
+        B, S = len(case.doc_lengths), case.doc_lengths[0]
+        q = torch.randn(B, case.heads_q, S, case.head_dim, device=dev, dtype=dt, requires_grad=True)
+        k = torch.randn(B, case.heads_kv, S, case.head_dim, device=dev, dtype=dt, requires_grad=True)
     v = torch.randn_like(k).requires_grad_()
     sinks = torch.randn(case.heads_q, device=dev, dtype=torch.float32, requires_grad=True) if case.sinks else None
     cu = torch.tensor([0, *itertools.accumulate(case.doc_lengths)], device=dev, dtype=torch.int32)
@@ -108,10 +129,83 @@ def covering_every_token(cu, tokens: int, max_len: int):
     return covered
 
 
+@functools.cache
+def flash_attention_4():
+    """``flash_attn.cute`` (FlashAttention 4) where it imports, else ``None`` (the reason printed once)."""
+    start = time.perf_counter()
+    try:
+        import flash_attn.cute as fa4
+    except Exception as exc:  # noqa: BLE001 - absent or broken: the table goes on without it
+        print(f"FlashAttention 4 unavailable: {type(exc).__name__}: {str(exc)[:200]}")
+        return None
+    print(f"FlashAttention 4 {_distribution('flash-attn-4')} imported in {time.perf_counter() - start:.1f} s")
+    return fa4
+
+
+def _distribution(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def fa4_compiled_kernels() -> int:
+    """How many kernels FlashAttention 4 has compiled in this process (its JIT caches, forward and backward)."""
+    from flash_attn.cute import interface
+
+    caches = (getattr(fn, "compile_cache", None) for fn in vars(interface).values())
+    return sum(len(getattr(cache, "cache", ())) for cache in caches if cache is not None)
+
+
+@functools.cache
+def _compiled_flex():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    # Every case is a new shape: past Dynamo's recompile limit (8) a shape runs flex's unfused eager implementation,
+    # which took a first run's dense S 8192 case 147 ms forward.
+    config = torch._dynamo.config
+    setattr(config, "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit", 64)
+    return torch.compile(flex_attention)
+
+
+def flex_call(case: Case, q, k, v, sinks):
+    """flex_attention (compiled) with the case's mask as a block mask; sinks as FlashAttention 4 defines them, a logit
+    in the softmax's denominator: ``out * sigmoid(lse - sink)`` on flex's output and LSE (exact, differentiable)."""
+    from torch.nn.attention.flex_attention import AuxRequest, create_block_mask
+
+    left = case.left
+    if case.packed:
+        lengths = torch.tensor(case.doc_lengths, device=q.device)
+        doc = torch.repeat_interleave(torch.arange(len(case.doc_lengths), device=q.device), lengths)
+        q4, k4, v4 = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # (1, H, T, D) views
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            keep = (q_idx >= kv_idx) & (doc[q_idx] == doc[kv_idx])
+            return keep & (q_idx - kv_idx <= left) if left >= 0 else keep
+    else:
+        q4, k4, v4 = q, k, v
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return (q_idx >= kv_idx) & (q_idx - kv_idx <= left) if left >= 0 else q_idx >= kv_idx
+
+    block_mask = create_block_mask(mask_mod, q4.shape[0], None, q4.shape[2], k4.shape[2], device=q.device)
+    flex = _compiled_flex()
+
+    def run():
+        out, aux = flex(q4, k4, v4, block_mask=block_mask, enable_gqa=True, return_aux=AuxRequest(lse=True))
+        lse = aux.lse
+        if sinks is not None:
+            out = (out.float() * torch.sigmoid(lse - sinks[:, None]).unsqueeze(-1)).to(q.dtype)
+        return out
+
+    return run
+
+
 def implementations(case: Case, q, k, v, sinks, cu):
     """name -> forward callable returning the differentiable output, for implementations that serve the case."""
     max_len = max(case.doc_lengths)
     window = (case.left, 0)
+    fa4, fa4_window = flash_attention_4(), (case.left if case.left >= 0 else None, None)
     impls = {}
     if case.packed:
         impls["cudnn_attention"] = lambda: cudnn_attention.varlen_attention(
@@ -122,6 +216,19 @@ def implementations(case: Case, q, k, v, sinks, cu):
         impls["cudnn_attention, every token in a document"] = lambda: cudnn_attention.varlen_attention(
             q, k, v, covered, covered, max_len, max_len, causal=True, window_size=window, sinks=sinks
         )
+        if fa4 is not None:
+            impls["FlashAttention 4"] = lambda: fa4.flash_attn_varlen_func(
+                q,
+                k,
+                v,
+                cu_seqlens_q=cu,
+                cu_seqlens_k=cu,
+                max_seqlen_q=max_len,
+                max_seqlen_k=max_len,
+                causal=True,
+                window_size=fa4_window,
+                learnable_sink=sinks,
+            )[0]
         if not case.sinks:
             impls["torch flash"] = lambda: torch.ops.aten._flash_attention_forward(
                 q,
@@ -140,6 +247,10 @@ def implementations(case: Case, q, k, v, sinks, cu):
     else:
         impls["cudnn_attention"] = lambda: cudnn_attention.attention(q, k, v, causal=True, window_size=window, sinks=sinks)
         q_bshd, k_bshd, v_bshd = (t.transpose(1, 2) for t in (q, k, v))
+        if fa4 is not None:  # (B, S, H, D) as FlashAttention takes them: the buffers themselves, or views of (B, H, S, D) ones
+            impls["FlashAttention 4"] = lambda: fa4.flash_attn_func(
+                q_bshd, k_bshd, v_bshd, causal=True, window_size=fa4_window, learnable_sink=sinks
+            )[0]
         impls["torch flash"] = lambda: torch.ops.aten._flash_attention_forward(
             q_bshd,
             k_bshd,
@@ -163,6 +274,7 @@ def implementations(case: Case, q, k, v, sinks, cu):
                     return F.scaled_dot_product_attention(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), is_causal=True)
 
             impls["torch cuDNN (C++)"] = cpp_cudnn
+    impls["flex_attention"] = flex_call(case, q, k, v, sinks)
     try:
         from cudnn.sdpa.fwd import torch_op  # noqa: F401 - registers torch.ops.cudnn.sdpa_fwd
 
@@ -197,23 +309,43 @@ def plan_names() -> list[str]:
     return [f"{direction}:{name}" for direction, name in built_plans()]
 
 
-def run_case(case: Case):
+def run_case(case: Case, only_implementations=()):
     q, k, v, sinks, cu = make_inputs(case)
     inputs = [t for t in (q, k, v, sinks) if t is not None]
     fwd_flops, bwd_flops = case.flops()
     for name, forward in implementations(case, q, k, v, sinks, cu).items():
+        if only_implementations and name not in only_implementations:
+            continue
         entry = {}
         # Emptied per implementation so its row names every graph it runs, also one an earlier case built
         # (the sink case folds onto the sink-less case's graphs).
         clear_cache()
         try:
+            # The first forward and backward: graph builds, JIT compiles, autotuning. A fine-tuning run pays this once
+            # per shape it meets (see fa4_recompiles), so it is reported, apart from the steady-state times.
+            kernels_before = fa4_compiled_kernels() if name == "FlashAttention 4" else 0
+            start = time.perf_counter()
             out = forward()
             grad_out = torch.randn_like(out)
+            try:
+                torch.autograd.grad(out, inputs, grad_out, retain_graph=True)
+            except Exception:  # noqa: BLE001 - timed again below, which records the error
+                pass
+            torch.cuda.synchronize()
+            entry["first_call_s"] = time.perf_counter() - start
+            if name == "FlashAttention 4":
+                entry["kernels_compiled"] = fa4_compiled_kernels() - kernels_before
             entry["fwd_ms"] = cuda_time_ms(forward)
             try:
                 entry["bwd_ms"] = cuda_time_ms(lambda: torch.autograd.grad(out, inputs, grad_out, retain_graph=True))
             except Exception as exc:  # noqa: BLE001
-                entry["bwd_error"] = f"{type(exc).__name__}: {str(exc)[:120]}"
+                try:
+                    # A compiled graph whose backward donates its saved buffers (flex_attention's) runs once per
+                    # forward: its backward is timed as forward+backward less the forward.
+                    step_ms = cuda_time_ms(lambda: torch.autograd.grad(forward(), inputs, grad_out))
+                    entry["bwd_ms"], entry["bwd_timed"] = step_ms - entry["fwd_ms"], "fwd+bwd less fwd"
+                except Exception:  # noqa: BLE001 - no backward at all (the frontend's forward-only op): the first error says why
+                    entry["bwd_error"] = f"{type(exc).__name__}: {str(exc)[:120]}"
             entry["fwd_tflops"] = fwd_flops / entry["fwd_ms"] / 1e9
             if "bwd_ms" in entry:
                 entry["bwd_tflops"] = bwd_flops / entry["bwd_ms"] / 1e9
@@ -224,6 +356,74 @@ def run_case(case: Case):
         case.results[name] = entry
         out = grad_out = None  # this implementation's graph is freed before the next one is timed (one that failed bound neither)
     torch.cuda.empty_cache()
+
+
+def recompiles_over_varying_documents(steps: int = 8, tokens: int = 16384) -> dict:
+    """The first-call seconds of each step of a packed gpt-oss-like run (H 64/8, D 64, window 128, sinks) whose
+    documents change in number and length every step, as a packed fine-tuning run's do, for cudnn_attention and
+    FlashAttention 4, with what each built in that step (cuDNN graphs cached, FA4 kernels compiled): the cost of a
+    step that meets a new shape."""
+    generator = torch.Generator().manual_seed(0)
+    fa4 = flash_attention_4()
+    steps_run = {"cudnn_attention": [], "FlashAttention 4": []} if fa4 is not None else {"cudnn_attention": []}
+    for step in range(steps):
+        documents = int(torch.randint(1, 13, (1,), generator=generator))
+        cuts = sorted((torch.randperm(tokens - 1, generator=generator)[: documents - 1] + 1).tolist())
+        lengths = [end - begin for begin, end in zip([0, *cuts], [*cuts, tokens])]
+        case = Case("varying documents", 64, 8, 64, lengths, True, left=128, sinks=True)
+        q, k, v, sinks, cu = make_inputs(case, seed=step)
+        max_len = max(lengths)
+        calls = {
+            "cudnn_attention": lambda: cudnn_attention.varlen_attention(
+                q, k, v, cu, cu, max_len, max_len, causal=True, window_size=(128, 0), sinks=sinks
+            ),
+            "FlashAttention 4": lambda: fa4.flash_attn_varlen_func(
+                q,
+                k,
+                v,
+                cu_seqlens_q=cu,
+                cu_seqlens_k=cu,
+                max_seqlen_q=max_len,
+                max_seqlen_k=max_len,
+                causal=True,
+                window_size=(128, None),
+                learnable_sink=sinks,
+            )[0],
+        }
+        for name, record in steps_run.items():
+            built = fa4_compiled_kernels if name == "FlashAttention 4" else lambda: len(built_plans())
+            before = built()
+            start = time.perf_counter()
+            out = calls[name]()
+            torch.autograd.grad(out, (q, k, v, sinks), torch.ones_like(out))
+            torch.cuda.synchronize()
+            seconds = time.perf_counter() - start
+            record.append({"documents": documents, "max_seqlen": max_len, "first_call_s": seconds, "built": built() - before})
+    return steps_run
+
+
+def profile_case(case: Case, names=("cudnn_attention", "FlashAttention 4")) -> None:
+    """Print each of ``names``' device kernels over three forward+backward steps at ``case``'s shape: what runs
+    besides the attention kernels (copies, transposes, fills, reductions) and how long each takes."""
+    q, k, v, sinks, cu = make_inputs(case)
+    inputs = [t for t in (q, k, v, sinks) if t is not None]
+    impls = implementations(case, q, k, v, sinks, cu)
+    for name in names:
+        if name not in impls:
+            continue
+        out = impls[name]()
+        grad_out = torch.randn_like(out)
+        torch.autograd.grad(out, inputs, grad_out)
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                torch.autograd.grad(impls[name](), inputs, grad_out)
+            torch.cuda.synchronize()
+        print(f"--- profile: {case.name} / {name}: kernels over 3 forward+backward steps")
+        try:
+            print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=14, max_name_column_width=90))
+        except Exception:  # noqa: BLE001 - torch before the device_time names
+            print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=14, max_name_column_width=90))
 
 
 def host_us_in_turns(fns: dict, iters: int, rounds: int = 10, *, sync=torch.cuda.synchronize) -> dict:
@@ -352,11 +552,25 @@ def sink_forward_comparison(case: Case) -> dict:
     return result
 
 
-def markdown(cases, host, sinks=None) -> str:
+def versions_line() -> str:
+    """The versions every table is read against: which cuDNN torch loaded and which the frontend (this project) loaded."""
+    found = environment.versions()
+    fa4 = _distribution("flash-attn-4")
+    return (
+        f"GPU: {found['gpu']}, torch {found['torch']} (CUDA {found['cuda']}), cuDNN {found['torch_cudnn']} in torch and "
+        f"{found['cudnn_backend']} under cuDNN frontend {found['cudnn_frontend']}"
+        + (f", FlashAttention 4 {fa4}" if fa4 else "")
+        + ", bf16, causal."
+    )
+
+
+def markdown(cases, host, sinks=None, recompiles=None) -> str:
     lines = [
-        f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}, bf16, causal.",
+        versions_line(),
         "",
-        "| case | implementation | fwd ms | fwd TF/s | bwd ms | bwd TF/s | fwd+bwd ms | vs cudnn_attention |",
+        "Last column: that row's fwd+bwd time over cudnn_attention's (above 1: cudnn_attention is faster).",
+        "",
+        "| case | implementation | fwd ms | fwd TF/s | bwd ms | bwd TF/s | fwd+bwd ms | its time / cudnn_attention's |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for case in cases:
@@ -366,15 +580,38 @@ def markdown(cases, host, sinks=None) -> str:
                 lines.append(f"| {case.name} | {name} | error: {r['error']} | | | | | |")
                 continue
             total = r.get("fwd_bwd_ms")
-            ratio = f"{total / ours:.2f}x slower" if ours and total and name != "cudnn_attention" else ""
+            ratio = f"{total / ours:.2f}x" if ours and total and name != "cudnn_attention" else ""
             bwd = (f"{r['bwd_ms']:.3f}", f"{r['bwd_tflops']:.0f}") if "bwd_ms" in r else (r.get("bwd_error", "-")[:40], "")
             lines.append(
                 f"| {case.name} | {name} | {r['fwd_ms']:.3f} | {r['fwd_tflops']:.0f} | {bwd[0]} | {bwd[1]} | {total:.3f} | {ratio} |"
                 if total
                 else f"| {case.name} | {name} | {r['fwd_ms']:.3f} | {r['fwd_tflops']:.0f} | {bwd[0]} | | | |"
             )
+    lines += ["", "First call (s: graph builds, JIT compiles; FA4: kernels compiled):", ""]
+    lines += [
+        f"- {case.name}: "
+        + ", ".join(
+            f"{name} {r['first_call_s']:.2f}" + (f" ({r['kernels_compiled']} kernels)" if "kernels_compiled" in r else "")
+            for name, r in case.results.items()
+            if "first_call_s" in r
+        )
+        for case in cases
+    ]
     lines += ["", "Engine plans chosen:", ""]
-    lines += [f"- {case.name} / {name}: {', '.join(r.get('plans', [])) or 'n/a'}" for case in cases for name, r in case.results.items()]
+    lines += [
+        f"- {case.name} / {name}: {', '.join(r.get('plans', [])) or 'n/a'}"
+        for case in cases
+        for name, r in case.results.items()
+        if name.startswith("cudnn_attention")
+    ]
+    for name, steps in (recompiles or {}).items():
+        lines += [
+            "",
+            f"{name}, a packed run whose documents change every step (T 16384, H 64/8, D 64, window 128, sinks): first-call s "
+            "(built) per step:",
+            "",
+            ", ".join(f"{step['first_call_s']:.2f} ({step['built']})" for step in steps),
+        ]
     lines += [
         "",
         (
@@ -416,21 +653,37 @@ SINK_CASES = [case for case in CASES if case.sinks]
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
-    parser.add_argument("--only", default="", help="run cases whose name contains this text")
+    parser.add_argument("--only", default="", help="run cases whose name contains this text (a|b: a's first)")
     parser.add_argument("--host-only", action="store_true", help="only the host microseconds (printed as JSON, nothing written)")
+    parser.add_argument("--implementations", default="", help="comma-separated names of the rows to run (default: all)")
+    parser.add_argument("--no-host", action="store_true", help="skip the host microseconds and the sink-forward comparison")
+    parser.add_argument("--profile", default="", help="print the device kernels of cases whose name contains this text")
+    parser.add_argument(
+        "--recompiles", action="store_true", help="first-call time per step of a packed run whose documents vary (FA4's JIT)"
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/attention_kernels.py measures cuDNN kernels and needs a CUDA GPU; none is visible here.")
     if args.host_only:
         print(json.dumps({"cudnn_attention": cudnn_attention.__file__, "host_us": host_overhead_us()}))
         return
-    cases = [c for c in CASES if args.only in c.name]
+    print(versions_line(), flush=True)
+    # "a|b": the cases whose name contains a, then those with b (in that order, each once).
+    cases = [case for part in args.only.split("|") for case in CASES if part in case.name]
+    cases = [case for i, case in enumerate(cases) if all(case is not seen for seen in cases[:i])]
     for case in cases:
-        run_case(case)
-        print(case.name, json.dumps(case.results))
-    host = host_overhead_us()
-    sinks = {case.name: sink_forward_comparison(case) for case in SINK_CASES}
-    table = markdown(cases, host, sinks)
+        run_case(case, [name for name in args.implementations.split(",") if name])
+        print(case.name, json.dumps(case.results), flush=True)
+    if args.profile:
+        for case in cases:
+            if args.profile in case.name:
+                profile_case(case)
+    recompiles = recompiles_over_varying_documents() if args.recompiles else None
+    if recompiles:
+        print("recompiles", json.dumps(recompiles), flush=True)
+    host = host_overhead_us() if not args.no_host else {}
+    sinks = {case.name: sink_forward_comparison(case) for case in SINK_CASES if case in cases} if not args.no_host else {}
+    table = markdown(cases, host, sinks, recompiles)
     print(table)
     print("stats:", cudnn_attention.stats())
     args.out.mkdir(parents=True, exist_ok=True)
@@ -438,9 +691,11 @@ def main():
     payload = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
+        "versions": environment.versions(),
         "cases": [asdict(c) for c in cases],
         "host_us": host,
         "sinks": sinks,
+        "recompiles": recompiles,
     }
     (args.out / "attention_kernels.json").write_text(json.dumps(payload, indent=1))
 

@@ -3,7 +3,7 @@
     python3 benchmarks/engine_plans.py
 
 Builds the forward and the backward graph with the frontend's public API, every plan heuristics A and B and the fallback list
-offer, and times each (CUDA events, 10 calls after 3 warm-up). cudnn_attention runs plan 0 (the heuristic's
+offer, and times each (CUDA events, the median of 5 means of 10 calls, after 3 warm-up). cudnn_attention runs plan 0 (the heuristic's
 first choice); on an H200 (cuDNN 9.19) it was the fastest at S=8192 and 16384, forward (of four plans) and backward
 (of two).
 """
@@ -39,7 +39,7 @@ def _time_every_plan(g, pack: dict, handle, title: str, flops: float) -> None:
     rows = []
     for i in range(n):
         try:
-            t = cuda_time_ms(lambda: g.execute_plan_at_index(pack, ws, i, handle=handle), warmup=3, samples=1, calls_per_sample=10)
+            t = cuda_time_ms(lambda: g.execute_plan_at_index(pack, ws, i, handle=handle), warmup=3, samples=5, calls_per_sample=10)
             rows.append((t, g.get_plan_name_at_index(i)))
         except Exception as exc:
             rows.append((float("inf"), f"{g.get_plan_name_at_index(i)} failed: {str(exc)[:60]}"))
@@ -79,6 +79,20 @@ def bench(S, B, H, Hkv, D):
     _time_every_plan(g, pack, handle, f"backward {shape}", 2.5 * flops)
 
 
+DEFAULT_SHAPES = [
+    (8192, 1, 32, 8, 128),
+    (16384, 1, 32, 8, 128),
+    (8192, 1, 64, 8, 128),  # NVIDIA's own H200 table for cuDNN 9.19.1 (frontend repository, sdpa_benchmark_training)
+    (2048, 4, 16, 4, 64),
+]
+
+
 if __name__ == "__main__":
-    bench(8192, 1, 32, 8, 128)
-    bench(16384, 1, 32, 8, 128)
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", action="append", default=[], help="S,B,H,H_kv,D (repeatable); default: DEFAULT_SHAPES")
+    args = parser.parse_args()
+    print(f"cuDNN {cudnn.backend_version()} under frontend {cudnn.__version__}, torch {torch.__version__}")
+    for shape in [tuple(int(n) for n in text.split(",")) for text in args.shape] or DEFAULT_SHAPES:
+        bench(*shape)
