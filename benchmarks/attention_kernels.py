@@ -612,24 +612,26 @@ def markdown(cases, host, sinks=None, recompiles=None) -> str:
             "",
             ", ".join(f"{step['first_call_s']:.2f} ({step['built']})" for step in steps),
         ]
-    lines += [
-        "",
-        (
-            "Host microseconds per call (the implementations measured in turns, ten rounds of 200 calls, the least round mean of each), "
-            "B=H=1, S=128, D=64 (packed: two documents of 64); "
-            "backward is `torch.autograd.grad`, and "
-            "less floor is that minus the floor row's (a Python autograd node that does no work):"
-        ),
-        "",
-        "| implementation | no-grad forward | grad forward | backward | backward less floor |",
-        "|---|---|---|---|---|",
-    ]
-    lines += [
-        f"| {name} | {r['no-grad forward']:.1f} | {r['grad forward']:.1f} | {r['backward']:.1f} | {r['backward less floor']:.1f} |"
-        if "backward less floor" in r
-        else f"| {name} | {r['no-grad forward']:.1f} | {r['grad forward']:.1f} | {r['backward']:.1f} | |"
-        for name, r in host.items()
-    ]
+    if host:
+        lines += [
+            "",
+            (
+                "Host microseconds per call (the implementations measured in turns, ten rounds of 200 calls, "
+                "the least round mean of each), "
+                "B=H=1, S=128, D=64 (packed: two documents of 64); "
+                "backward is `torch.autograd.grad`, and "
+                "less floor is that minus the floor row's (a Python autograd node that does no work):"
+            ),
+            "",
+            "| implementation | no-grad forward | grad forward | backward | backward less floor |",
+            "|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {name} | {r['no-grad forward']:.1f} | {r['grad forward']:.1f} | {r['backward']:.1f} | {r['backward less floor']:.1f} |"
+            if "backward less floor" in r
+            else f"| {name} | {r['no-grad forward']:.1f} | {r['grad forward']:.1f} | {r['backward']:.1f} | |"
+            for name, r in host.items()
+        ]
     for name, ways in (sinks or {}).items():
         lines += [
             "",
