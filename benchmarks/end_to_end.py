@@ -44,11 +44,13 @@ from cudnn_attention.recipes.common.config import ModelShape, model_shape
 from cudnn_attention.recipes.common.model import build_model as build_recipe_model
 from cudnn_attention.recipes.common.reporting import fallback_reasons
 
-IMPLEMENTATIONS = ("cudnn", "flex_attention", "sdpa", "eager")
+# flash_attention_4: FlashAttention 4 through transformers >= 5.24 where flash-attn-4 is installed on an sm90/sm100 GPU;
+# elsewhere its row says why it was not measured.
+IMPLEMENTATIONS = ("cudnn", "flash_attention_4", "flex_attention", "sdpa", "eager")
 FLASH_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 # flex_attention accepts the flash kwargs without error, so it gets both rows; sdpa and eager would only repeat
 # their position_ids row. flex ignores them (transformers 5.17-5.24 build its block mask from position_ids).
-BOTH_PACKINGS = ("cudnn", "flex_attention")
+BOTH_PACKINGS = ("cudnn", "flash_attention_4", "flex_attention")
 # Kernel names, lower-cased, tested in this order. Attention: cuDNN's fused kernels (cudnn_generated_*sdpa*),
 # torch's flash/efficient kernels (flash_*, fmha_cutlass*) and flex's Triton templates (triton_tem_*: flex is the only
 # thing compiled here, so every template is one of its kernels). Eager attention is plain gemm/softmax and is not
@@ -264,8 +266,14 @@ def run_one(
     step = functools.partial(train_step, model, optimizer)
     cudnn_attention.reset_stats()
     try:
+        # The warm-up holds every first-call cost (flex_attention's compile, FA4's JIT, cuDNN graph builds): reported, as
+        # a fine-tuning run pays it once per shape it meets.
+        start = time.perf_counter()
         for batch in batches[:warmup]:
             step(batch)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        row["warmup_s"] = time.perf_counter() - start
         timed = batches[warmup:-1]
         if shapes_first:
             before = graph_builds()
@@ -311,10 +319,11 @@ def run_one(
 
 
 def add_ratios(rows: list[dict]) -> None:
-    """tokens/s and peak memory against flex_attention and sdpa of the same run, same packing where measured."""
+    """tokens/s and peak memory against FlashAttention 4, flex_attention and sdpa of the same run, same packing where
+    measured."""
     refs_by_key = {
         key: {r["packing"]: r for r in rows if r["implementation"] == name and r.get("tokens_per_s")}
-        for name, key in (("flex_attention", "flex"), ("sdpa", "sdpa"))
+        for name, key in (("flash_attention_4", "fa4"), ("flex_attention", "flex"), ("sdpa", "sdpa"))
     }
     for row in rows:
         for key, refs in refs_by_key.items():
@@ -336,6 +345,9 @@ def markdown(rows: list[dict], header: list[str]) -> str:
         "tokens/s",
         "step ms",
         "peak GiB",
+        "warm-up s",
+        "× FA4 tok/s",
+        "× FA4 peak",
         "× flex tok/s",
         "× flex peak",
         "× sdpa tok/s",
@@ -347,13 +359,17 @@ def markdown(rows: list[dict], header: list[str]) -> str:
     lines = [*header, "", f"| {' | '.join(columns)} |", "|---" * len(columns) + "|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['config']} | {r['implementation']} | {r['packing']} | {r['error']} | | | | | | | | | {r['note']} |")
+            empty = " |" * (len(columns) - 5)
+            lines.append(f"| {r['config']} | {r['implementation']} | {r['packing']} | {r['error']} |{empty} {r['note']} |")
             continue
         p = r.get("profile", {})
         cells = [
             number(r["tokens_per_s"], ",.0f"),
             number(r["step_ms"], ".1f"),
             number(r["peak_gib"], ".2f"),
+            number(r.get("warmup_s"), ".1f"),
+            number(r.get("vs_fa4_tokens"), ".2f"),
+            number(r.get("vs_fa4_peak"), ".2f"),
             number(r.get("vs_flex_tokens"), ".2f"),
             number(r.get("vs_flex_peak"), ".2f"),
             number(r.get("vs_sdpa_tokens"), ".2f"),
