@@ -44,7 +44,7 @@ from cudnn_attention.recipes.common.config import ModelShape, model_shape
 from cudnn_attention.recipes.common.model import build_model as build_recipe_model
 from cudnn_attention.recipes.common.reporting import fallback_reasons
 
-# flash_attention_4: FlashAttention 4 through transformers >= 5.24 where flash-attn-4 is installed on an sm90/sm100 GPU;
+# flash_attention_4: FlashAttention 4 through transformers where flash-attn-4 is installed on an sm90/sm100 GPU;
 # elsewhere its row says why it was not measured.
 IMPLEMENTATIONS = ("cudnn", "flash_attention_4", "flex_attention", "sdpa", "eager")
 FLASH_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
