@@ -195,5 +195,7 @@ def exact_attention(call, q, k, v, *, sinks, lengths) -> tuple[torch.Tensor, tor
     )
     # A dense output adopts q's layout on every path (layouts.allocate_forward_outputs): a caller that reads the result
     # as (B, S, H, D), as FlashAttention's interface and transformers do, must get the same strides from a fallback.
-    laid_out = torch.empty_strided(out.shape, like_layout_strides(tuple(out.shape), q), dtype=out.dtype, device=out.device)
-    return laid_out.copy_(out), lse
+    strides = like_layout_strides(tuple(out.shape), q)
+    if out.stride() == strides:
+        return out, lse
+    return torch.empty_strided(out.shape, strides, dtype=out.dtype, device=out.device).copy_(out), lse
