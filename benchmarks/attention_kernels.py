@@ -8,7 +8,7 @@ contiguous (B, H, S, D)); plus host microseconds per call at a tiny shape.
 Prints a Markdown table and writes ``attention_kernels.json`` and ``attention_kernels.md``; the header names the cuDNN
 that torch and the frontend loaded. Times are medians of CUDA-event timings of 10 back-to-back calls after warm-up; every
 implementation runs in the same process. FlashAttention 4 compiles each new shape on its first call: that time is
-reported apart (``first_call_s``), with the kernels it compiled, and ``--fa4-recompiles`` counts them over steps
+reported apart (``first_call_s``), with the kernels it compiled, and ``--recompiles`` counts them over steps
 whose documents vary in length, as a packed fine-tuning run's do.
 """
 
@@ -157,6 +157,23 @@ def fa4_compiled_kernels() -> int:
     return sum(len(getattr(cache, "cache", ())) for cache in caches if cache is not None)
 
 
+def fa4_varlen(fa4, q, k, v, cu, max_len: int, left: int, sinks):
+    """FlashAttention 4's packed causal call, ``left`` keys back (-1: no window); its output."""
+    window = (left if left >= 0 else None, None)
+    return fa4.flash_attn_varlen_func(
+        q,
+        k,
+        v,
+        cu_seqlens_q=cu,
+        cu_seqlens_k=cu,
+        max_seqlen_q=max_len,
+        max_seqlen_k=max_len,
+        causal=True,
+        window_size=window,
+        learnable_sink=sinks,
+    )[0]
+
+
 @functools.cache
 def _compiled_flex():
     from torch.nn.attention.flex_attention import flex_attention
@@ -217,18 +234,7 @@ def implementations(case: Case, q, k, v, sinks, cu):
             q, k, v, covered, covered, max_len, max_len, causal=True, window_size=window, sinks=sinks
         )
         if fa4 is not None:
-            impls["FlashAttention 4"] = lambda: fa4.flash_attn_varlen_func(
-                q,
-                k,
-                v,
-                cu_seqlens_q=cu,
-                cu_seqlens_k=cu,
-                max_seqlen_q=max_len,
-                max_seqlen_k=max_len,
-                causal=True,
-                window_size=fa4_window,
-                learnable_sink=sinks,
-            )[0]
+            impls["FlashAttention 4"] = lambda: fa4_varlen(fa4, q, k, v, cu, max_len, case.left, sinks)
         if not case.sinks:
             impls["torch flash"] = lambda: torch.ops.aten._flash_attention_forward(
                 q,
@@ -322,7 +328,7 @@ def run_case(case: Case, only_implementations=()):
         clear_cache()
         try:
             # The first forward and backward: graph builds, JIT compiles, autotuning. A fine-tuning run pays this once
-            # per shape it meets (see fa4_recompiles), so it is reported, apart from the steady-state times.
+            # per shape it meets (see recompiles_over_varying_documents), so it is reported, apart from the steady-state times.
             kernels_before = fa4_compiled_kernels() if name == "FlashAttention 4" else 0
             start = time.perf_counter()
             out = forward()
@@ -377,18 +383,7 @@ def recompiles_over_varying_documents(steps: int = 8, tokens: int = 16384) -> di
             "cudnn_attention": lambda: cudnn_attention.varlen_attention(
                 q, k, v, cu, cu, max_len, max_len, causal=True, window_size=(128, 0), sinks=sinks
             ),
-            "FlashAttention 4": lambda: fa4.flash_attn_varlen_func(
-                q,
-                k,
-                v,
-                cu_seqlens_q=cu,
-                cu_seqlens_k=cu,
-                max_seqlen_q=max_len,
-                max_seqlen_k=max_len,
-                causal=True,
-                window_size=(128, None),
-                learnable_sink=sinks,
-            )[0],
+            "FlashAttention 4": lambda: fa4_varlen(fa4, q, k, v, cu, max_len, 128, sinks),
         }
         for name, record in steps_run.items():
             built = fa4_compiled_kernels if name == "FlashAttention 4" else lambda: len(built_plans())
