@@ -39,6 +39,7 @@ import torch
 from torch.autograd import DeviceType
 
 import cudnn_attention
+from cudnn_attention.environment import versions
 from cudnn_attention.recipes.common.compare import skip_reason
 from cudnn_attention.recipes.common.config import ModelShape, model_shape
 from cudnn_attention.recipes.common.model import build_model as build_recipe_model
@@ -410,17 +411,16 @@ def describe(setup: Setup) -> str:
 
 
 def environment(args, device: str) -> list[str]:
-    import transformers
-
+    found = versions()
     try:
-        frontend = importlib.metadata.version("nvidia-cudnn-frontend")
+        fa4 = f", flash-attn-4 {importlib.metadata.version('flash-attn-4')}"
     except importlib.metadata.PackageNotFoundError:
-        frontend = "not installed"
-    where = torch.cuda.get_device_name() if device == "cuda" else f"CPU ({platform.processor() or platform.machine()})"
+        fa4 = ""
+    where = found["gpu"] if device == "cuda" else f"CPU ({platform.processor() or platform.machine()})"
     lines = [
         (
-            f"{where}; torch {torch.__version__}, transformers {transformers.__version__}, "
-            f"cuDNN {torch.backends.cudnn.version()}, frontend {frontend}."
+            f"{where}; torch {found['torch']}, transformers {found['transformers']}, cuDNN {found['torch_cudnn']} in torch and "
+            f"{found['cudnn_backend']} under cuDNN frontend {found['cudnn_frontend'] or 'not installed'}{fa4}."
         ),
         (
             f"bf16 weights and AdamW states (no autocast); {args.warmup} untimed warm-up step(s) (flex_attention's compile among them), "
