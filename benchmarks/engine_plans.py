@@ -93,6 +93,13 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", action="append", default=[], help="S,B,H,H_kv,D (repeatable); default: DEFAULT_SHAPES")
     args = parser.parse_args()
+    shapes = []
+    for text in args.shape:
+        try:
+            S, B, H, H_kv, D = (int(n) for n in text.split(","))
+        except ValueError:
+            parser.error(f"--shape takes five integers S,B,H,H_kv,D, got {text!r}")
+        shapes.append((S, B, H, H_kv, D))
     print(f"cuDNN {cudnn.backend_version()} under frontend {cudnn.__version__}, torch {torch.__version__}")
-    for shape in [tuple(int(n) for n in text.split(",")) for text in args.shape] or DEFAULT_SHAPES:
+    for shape in shapes or DEFAULT_SHAPES:
         bench(*shape)
