@@ -33,6 +33,7 @@ __all__ = [
     "GraphSpec",
     "built_plans",
     "clear_cache",
+    "every_plan",
     "frontend_unavailable_reason",
     "get_graph",
     "graph_for",
@@ -347,6 +348,16 @@ def _build(spec: GraphSpec) -> CompiledGraph:
     return _on_a_fresh_stack(_construct, cudnn, spec, launch.bound_handle(spec.device_index)[0])
 
 
+def every_plan(spec: GraphSpec) -> CompiledGraph:
+    """``spec``'s graph, not cached, with every plan heuristics A and B and the fallback list offer built; plan 0 is
+    the one :func:`get_graph` serves. For ``benchmarks/engine_plans.py``, which times each plan through
+    ``graph.graph.execute_plan_at_index`` on a served call's operands."""
+    cudnn = launch.frontend()
+    if cudnn is None:
+        raise GraphRejected(launch.frontend_unavailable_reason())
+    return _on_a_fresh_stack(_construct, cudnn, spec, launch.bound_handle(spec.device_index)[0], True)
+
+
 def _on_a_fresh_stack(fn, *args):
     """``fn(*args)`` on a short-lived thread while this one waits: its result, or its error's message
     raised here as a fresh ``RuntimeError``.
@@ -414,7 +425,7 @@ class _Nodes:
         t.set_uid(uid).set_output(True).set_dim(list(dims)).set_stride(list(strides)).set_data_type(data_type or self.io_type)
 
 
-def _construct(cudnn, spec: GraphSpec, handle) -> CompiledGraph:
+def _construct(cudnn, spec: GraphSpec, handle, all_plans: bool = False) -> CompiledGraph:
     with torch.cuda.device(spec.device_index):
         nodes = _Nodes(cudnn, spec, handle)
         B, H_kv, S_kv = spec.batch, spec.heads_kv, spec.seq_kv
@@ -447,9 +458,14 @@ def _construct(cudnn, spec: GraphSpec, handle) -> CompiledGraph:
         g = nodes.graph
         g.validate()
         g.build_operation_graph()
-        g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+        # all_plans (the plan benchmark): heuristic B's plans too, each built, the served one still first
+        modes = [cudnn.heur_mode.A, cudnn.heur_mode.B] if all_plans else [cudnn.heur_mode.A]
+        g.create_execution_plans([*modes, cudnn.heur_mode.FALLBACK])
         g.check_support()
-        g.build_plans()
+        if all_plans:
+            g.build_plans(cudnn.build_plan_policy.ALL)
+        else:
+            g.build_plans()
         return CompiledGraph(spec, g, g.get_workspace_size(), tuple(uids), tuple(nodes.ragged))
 
 

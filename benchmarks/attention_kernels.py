@@ -655,7 +655,7 @@ def main():
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     parser.add_argument("--only", default="", help="run cases whose name contains this text (a|b: a's first)")
     parser.add_argument("--host-only", action="store_true", help="only the host microseconds (printed as JSON, nothing written)")
-    parser.add_argument("--implementations", default="", help="comma-separated names of the rows to run (default: all)")
+    parser.add_argument("--implementations", default="", help="names of the rows to run, separated by | (names hold commas; default: all)")
     parser.add_argument("--no-host", action="store_true", help="skip the host microseconds and the sink-forward comparison")
     parser.add_argument("--profile", default="", help="print the device kernels of cases whose name contains this text")
     parser.add_argument(
@@ -671,9 +671,13 @@ def main():
     # "a|b": the cases whose name contains a, then those with b (in that order, each once).
     cases = [case for part in args.only.split("|") for case in CASES if part in case.name]
     cases = [case for i, case in enumerate(cases) if all(case is not seen for seen in cases[:i])]
+    wanted = [name for name in args.implementations.split("|") if name]
     for case in cases:
-        run_case(case, [name for name in args.implementations.split(",") if name])
+        run_case(case, wanted)
         print(case.name, json.dumps(case.results), flush=True)
+    unknown = [name for name in wanted if all(name not in case.results for case in cases)]
+    if unknown:
+        print(f"--implementations: no case ran a row named {', '.join(map(repr, unknown))}")
     if args.profile:
         for case in cases:
             if args.profile in case.name:

@@ -1,12 +1,22 @@
-"""Does another cuDNN engine plan beat the heuristic's first choice for long dense causal forwards and backwards?
+"""Does another cuDNN engine plan beat the one cudnn_attention serves, forward and backward, dense and packed?
 
-    python3 benchmarks/engine_plans.py
+    python3 benchmarks/engine_plans.py                                   # the default shapes below
+    python3 benchmarks/engine_plans.py --shape 8192,1,64,8,128           # dense S,B,H,H_kv,D (repeatable)
+    python3 benchmarks/engine_plans.py --packed "gpt-oss 8 x 2048"       # the packed cases whose name holds this text
 
-Builds the forward and the backward graph with the frontend's public API, every plan heuristics A and B and the fallback list
-offer, and times each (CUDA events, the median of 5 means of 10 calls, after 3 warm-up). cudnn_attention runs plan 0 (the heuristic's
-first choice); on an H200 (cuDNN 9.19) it was the fastest at S=8192 and 16384, forward (of four plans) and backward
-(of two).
+Each shape runs one causal forward and backward through cudnn_attention itself while every launch's graph and
+operands are recorded; each recorded graph is then built again with every plan heuristics A and B and the fallback
+list offer (``cudnn_graphs.every_plan``: the same spec, so the same tensors, strides, masks and ragged offsets) and
+each plan is timed on the recorded operands (CUDA events, the median of 5 means of 10 calls, after 3 warm-up). Two rows
+more per graph: the served plan through the project's own launch (``launch.execute``, the path every call takes), and,
+for the forward, the whole public call (``cudnn_attention.attention``/``varlen_attention`` with grad on, which adds the
+output allocation and, for sinks, the fold), so a gap between a bare plan and what a user gets is seen where it arises.
 """
+
+from __future__ import annotations
+
+import argparse
+import contextlib
 
 import torch
 
@@ -15,68 +25,79 @@ if not torch.cuda.is_available():
 
 import cudnn  # noqa: E402
 
-from attention_kernels import cuda_time_ms  # noqa: E402  (this folder is on sys.path when the script runs)
+import cudnn_attention  # noqa: E402
+from attention_kernels import CASES, Case, cuda_time_ms, make_inputs  # noqa: E402 (this folder is on sys.path when run)
+from cudnn_attention import cudnn_graphs, launch  # noqa: E402
 
 
-def _new_graph(handle):
-    return cudnn.pygraph(
-        handle=handle,
-        io_data_type=cudnn.data_type.BFLOAT16,
-        intermediate_data_type=cudnn.data_type.FLOAT,
-        compute_data_type=cudnn.data_type.FLOAT,
-    )
+@contextlib.contextmanager
+def recorded_launches():
+    """Every (graph, operands) that ``launch.execute`` runs inside the block, in order."""
+    launches, execute = [], launch.execute
+
+    def recording(graph, operands, device_index):
+        launches.append((graph, list(operands)))
+        execute(graph, operands, device_index)
+
+    launch.execute = recording
+    try:
+        yield launches
+    finally:
+        launch.execute = execute
 
 
-def _time_every_plan(g, pack: dict, handle, title: str, flops: float) -> None:
-    """Build every plan heuristics A and B and the fallback list offer for ``g`` and time each."""
-    g.validate()
-    g.build_operation_graph()
-    g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.B, cudnn.heur_mode.FALLBACK])
-    g.check_support()
-    g.build_plans(cudnn.build_plan_policy.ALL)
+def time_every_plan(graph, operands: list, title: str, flops: float) -> None:
+    """Time each plan of ``graph.spec`` (rebuilt with every plan) on ``operands``, and the served plan as served."""
+    every = cudnn_graphs.every_plan(graph.spec)
+    g, handle = every.graph, launch.bound_handle(graph.spec.device_index)[0]
     n = g.get_execution_plan_count()
-    ws = torch.empty(max(g.get_workspace_size_plan_at_index(i) for i in range(n)), device="cuda", dtype=torch.uint8)
-    rows = []
+    ws = torch.empty(max([g.get_workspace_size_plan_at_index(i) for i in range(n)] + [1]), device="cuda", dtype=torch.uint8)
+    print(f"{title}: {n} plans; cudnn_attention serves {graph.plan_name}")
+    device_index = graph.spec.device_index
+    served = cuda_time_ms(lambda: launch.execute(graph, operands, device_index), warmup=3, samples=5, calls_per_sample=10)
+    print(f"  served:  {graph.plan_name:30s} {served:.3f} ms  {flops / served / 1e9:.0f} TF/s  (launch.execute, the project's path)")
     for i in range(n):
+        name = g.get_plan_name_at_index(i)
         try:
-            t = cuda_time_ms(lambda: g.execute_plan_at_index(pack, ws, i, handle=handle), warmup=3, samples=5, calls_per_sample=10)
-            rows.append((t, g.get_plan_name_at_index(i)))
-        except Exception as exc:
-            rows.append((float("inf"), f"{g.get_plan_name_at_index(i)} failed: {str(exc)[:60]}"))
-    print(f"{title}: {n} plans; plan 0 is the heuristic's first choice")
-    for i, (t, name) in enumerate(rows):
-        print(f"  plan {i}: {name:30s} {t:.3f} ms  {flops / t / 1e9:.0f} TF/s")
+
+            def run(i=i):
+                g.execute_plan_at_index(operands, ws, i, handle=handle, tensor_uids=every.uids)
+
+            t = cuda_time_ms(run, warmup=3, samples=5, calls_per_sample=10)
+            mark = "  <- served" if name == graph.plan_name else ""
+            print(f"  plan {i}: {name:30s} {t:.3f} ms  {flops / t / 1e9:.0f} TF/s  ({served / t:.3f}x the served){mark}")
+        except Exception as exc:  # noqa: BLE001 - a plan that does not run says so, the others are still timed
+            print(f"  plan {i}: {name:30s} failed: {str(exc)[:80]}")
 
 
-def bench(S, B, H, Hkv, D):
-    """Every forward plan, then every backward plan (on the forward's O and statistics), of one causal shape."""
-    handle = cudnn.create_handle()
-    q = torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
-    k = torch.randn(B, S, Hkv, D, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
-    v = torch.randn_like(k)
-    o = torch.empty_like(q)
-    stats = torch.empty(B, H, S, 1, device="cuda", dtype=torch.float32)
-    causal = {"attn_scale": D**-0.5, "diagonal_band_right_bound": 0, "diagonal_alignment": cudnn.diagonal_alignment.TOP_LEFT}
-    flops = 4 * B * H * D * S * (S + 1) / 2
-    shape = f"S={S} B={B} H={H}/{Hkv} D={D}"
+def bench(case: Case) -> None:
+    """Record one forward and backward of ``case`` through cudnn_attention, then time every plan of each graph."""
+    q, k, v, sinks, cu = make_inputs(case)
+    inputs = [t for t in (q, k, v, sinks) if t is not None]
+    max_len, window = max(case.doc_lengths), (case.left, 0)
+    if case.packed:
 
-    g = _new_graph(handle)
-    tq, tk, tv = (g.tensor_like(t) for t in (q, k, v))
-    out, st = g.sdpa(q=tq, k=tk, v=tv, generate_stats=True, **causal)
-    out.set_output(True).set_dim(list(o.shape)).set_stride(list(o.stride()))
-    st.set_output(True).set_data_type(cudnn.data_type.FLOAT).set_dim(list(stats.shape)).set_stride(list(stats.stride()))
-    _time_every_plan(g, {tq: q, tk: k, tv: v, out: o, st: stats}, handle, f"forward {shape}", flops)
+        def call():
+            return cudnn_attention.varlen_attention(q, k, v, cu, cu, max_len, max_len, causal=True, window_size=window, sinks=sinks)
+    else:
 
-    # The last plan timed above wrote o and stats: the backward reads a real forward's output.
-    d_o = torch.randn_like(o)
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    g = _new_graph(handle)
-    tq, tk, tv, to, tdo, tst = (g.tensor_like(t) for t in (q, k, v, o, d_o, stats))
-    gq, gk, gv = g.sdpa_backward(q=tq, k=tk, v=tv, o=to, dO=tdo, stats=tst, **causal)
-    for grad, like in ((gq, dq), (gk, dk), (gv, dv)):
-        grad.set_output(True).set_dim(list(like.shape)).set_stride(list(like.stride()))
-    pack = {tq: q, tk: k, tv: v, to: o, tdo: d_o, tst: stats, gq: dq, gk: dk, gv: dv}
-    _time_every_plan(g, pack, handle, f"backward {shape}", 2.5 * flops)
+        def call():
+            return cudnn_attention.attention(q, k, v, causal=True, window_size=window, sinks=sinks)
+
+    forward_flops, backward_flops = case.flops()
+    with recorded_launches() as launches:
+        out = call()
+        torch.autograd.grad(out, inputs, torch.randn_like(out))
+    torch.cuda.synchronize()
+    whole = cuda_time_ms(call, warmup=3, samples=5, calls_per_sample=10)
+    print(f"{case.name}: cudnn_attention forward (grad on, the public call) {whole:.3f} ms  {forward_flops / whole / 1e9:.0f} TF/s")
+    seen = set()
+    for graph, operands in launches:
+        if graph.spec in seen:
+            continue
+        seen.add(graph.spec)
+        flops = forward_flops if graph.spec.direction == "forward" else backward_flops
+        time_every_plan(graph, operands, f"{graph.spec.direction} {case.name}", flops)
 
 
 DEFAULT_SHAPES = [
@@ -85,13 +106,18 @@ DEFAULT_SHAPES = [
     (8192, 1, 64, 8, 128),  # NVIDIA's own H200 table for cuDNN 9.19.1 (frontend repository, sdpa_benchmark_training)
     (2048, 4, 16, 4, 64),
 ]
+DEFAULT_PACKED = "gpt-oss 8 x 2048"
 
 
-if __name__ == "__main__":
-    import argparse
+def dense_case(S: int, B: int, H: int, H_kv: int, D: int) -> Case:
+    # (B, S, H, D) buffers seen as (B, H, S, D), as transformers hands them over
+    return Case(f"dense S={S} B={B} H={H}/{H_kv} D={D}", H, H_kv, D, [S] * B, packed=False)
 
+
+def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", action="append", default=[], help="S,B,H,H_kv,D (repeatable); default: DEFAULT_SHAPES")
+    parser.add_argument("--shape", action="append", default=[], help="dense S,B,H,H_kv,D (repeatable)")
+    parser.add_argument("--packed", action="append", default=[], help="packed cases of attention_kernels.py whose name holds this text")
     args = parser.parse_args()
     shapes = []
     for text in args.shape:
@@ -100,6 +126,17 @@ if __name__ == "__main__":
         except ValueError:
             parser.error(f"--shape takes five integers S,B,H,H_kv,D, got {text!r}")
         shapes.append((S, B, H, H_kv, D))
-    print(f"cuDNN {cudnn.backend_version()} under frontend {cudnn.__version__}, torch {torch.__version__}")
-    for shape in shapes or DEFAULT_SHAPES:
-        bench(*shape)
+    if not shapes and not args.packed:
+        shapes, args.packed = DEFAULT_SHAPES, [DEFAULT_PACKED]
+    cases = [dense_case(*shape) for shape in shapes]
+    cases += [case for text in args.packed for case in CASES if case.packed and text in case.name]
+    print(
+        f"cuDNN {cudnn.backend_version()} under frontend {cudnn.__version__} (torch's: {torch.backends.cudnn.version()}), "
+        f"torch {torch.__version__}, {torch.cuda.get_device_name()}"
+    )
+    for case in cases:
+        bench(case)
+
+
+if __name__ == "__main__":
+    main()
