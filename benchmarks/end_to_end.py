@@ -42,6 +42,7 @@ import cudnn_attention
 from cudnn_attention.environment import versions
 from cudnn_attention.recipes.common.compare import skip_reason
 from cudnn_attention.recipes.common.config import ModelShape, model_shape
+from cudnn_attention.recipes.common.model import MASKED_IMPLEMENTATIONS
 from cudnn_attention.recipes.common.model import build_model as build_recipe_model
 from cudnn_attention.recipes.common.reporting import fallback_reasons
 
@@ -259,7 +260,7 @@ def run_one(
         batches = [{k: v for k, v in batch.items() if k not in FLASH_KWARGS} for batch in batches]
     elif impl == "flex_attention":
         notes.append("flex ignores cu_seq_lens_*/max_length_* (documents from position_ids)")
-    if setup.family == "gpt_oss" and impl != "cudnn":
+    if setup.family == "gpt_oss" and impl in MASKED_IMPLEMENTATIONS:
         notes.append("masks from position_ids (packing_safe_masks)")
     model.load_state_dict(initial)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)

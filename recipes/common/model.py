@@ -15,7 +15,14 @@ import cudnn_attention  # noqa: F401  (registers attn_implementation="cudnn" whe
 from .config import ModelShape
 from .errors import RecipeError
 
-__all__ = ["UnsupportedImplementation", "build_model", "hf_config", "packing_safe_masks", "training_experts"]
+__all__ = [
+    "MASKED_IMPLEMENTATIONS",
+    "UnsupportedImplementation",
+    "build_model",
+    "hf_config",
+    "packing_safe_masks",
+    "training_experts",
+]
 
 
 class UnsupportedImplementation(RecipeError):
@@ -148,6 +155,10 @@ def training_experts(model) -> None:
     model.set_experts_implementation("eager")
 
 
+# The implementations that read the attention mask alone; "cudnn" and the flash-style ones read cu_seq_lens_* themselves.
+MASKED_IMPLEMENTATIONS = ("eager", "sdpa", "flex_attention")
+
+
 def packing_safe_masks(model) -> None:
     """Make eager/sdpa/flex_attention keep packed gpt-oss documents apart.
 
@@ -166,7 +177,7 @@ def packing_safe_masks(model) -> None:
     def build_masks(module, args, kwargs):
         implementation = attn_implementation_of(module)  # transformers has no public getter (see cudnn_attention.integrations.hf._compat)
         position_ids = kwargs.get("position_ids")
-        if implementation not in ("eager", "sdpa", "flex_attention") or kwargs.get("attention_mask") is not None or position_ids is None:
+        if implementation not in MASKED_IMPLEMENTATIONS or kwargs.get("attention_mask") is not None or position_ids is None:
             return None
         input_ids = kwargs.get("input_ids", args[0] if args else None)
         reference = kwargs.get("inputs_embeds")
