@@ -157,9 +157,13 @@ def fa4_compiled_kernels() -> int:
     return sum(len(getattr(cache, "cache", ())) for cache in caches if cache is not None)
 
 
+def fa4_window(left: int) -> tuple:
+    """FlashAttention 4's ``window_size`` for a causal window ``left`` keys back (-1: none)."""
+    return (left if left >= 0 else None, None)
+
+
 def fa4_varlen(fa4, q, k, v, cu, max_len: int, left: int, sinks):
     """FlashAttention 4's packed causal call, ``left`` keys back (-1: no window); its output."""
-    window = (left if left >= 0 else None, None)
     return fa4.flash_attn_varlen_func(
         q,
         k,
@@ -169,7 +173,7 @@ def fa4_varlen(fa4, q, k, v, cu, max_len: int, left: int, sinks):
         max_seqlen_q=max_len,
         max_seqlen_k=max_len,
         causal=True,
-        window_size=window,
+        window_size=fa4_window(left),
         learnable_sink=sinks,
     )[0]
 
@@ -222,7 +226,7 @@ def implementations(case: Case, q, k, v, sinks, cu):
     """name -> forward callable returning the differentiable output, for implementations that serve the case."""
     max_len = max(case.doc_lengths)
     window = (case.left, 0)
-    fa4, fa4_window = flash_attention_4(), (case.left if case.left >= 0 else None, None)
+    fa4 = flash_attention_4()
     impls = {}
     if case.packed:
         impls["cudnn_attention"] = lambda: cudnn_attention.varlen_attention(
@@ -255,7 +259,7 @@ def implementations(case: Case, q, k, v, sinks, cu):
         q_bshd, k_bshd, v_bshd = (t.transpose(1, 2) for t in (q, k, v))
         if fa4 is not None:  # (B, S, H, D) as FlashAttention takes them: the buffers themselves, or views of (B, H, S, D) ones
             impls["FlashAttention 4"] = lambda: fa4.flash_attn_func(
-                q_bshd, k_bshd, v_bshd, causal=True, window_size=fa4_window, learnable_sink=sinks
+                q_bshd, k_bshd, v_bshd, causal=True, window_size=fa4_window(case.left), learnable_sink=sinks
             )[0]
         impls["torch flash"] = lambda: torch.ops.aten._flash_attention_forward(
             q_bshd,
