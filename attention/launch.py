@@ -21,6 +21,7 @@ from . import _compat, tensor_memo
 from .call import Lengths
 from .fused_sinks import fold_sinks, sink_gradient
 from .layouts import allocate_backward_outputs, allocate_forward_outputs
+from .packed_tails import fill_past_last_document
 from .policy import count_cudnn, note_copy
 
 __all__ = [
@@ -215,6 +216,18 @@ def _packed_absent_rows(cu_seqlens_q, cu_seqlens_kv, tokens: int) -> torch.Tenso
 # Runs
 # ----------------------------------------------------------------------------------------------
 
+# Where only a capacity tail is left unwritten (Lengths.leaves_only_a_tail), one pass after the kernels sets it instead
+# of zero fills before them, from this many query elements (T x H x D) on. On the H200 machine the pass took 3-4 us of
+# device time against 50 us for the fills of dQ/dK/dV at gpt-oss's shape, but about 40 us of host time per launch
+# against 10-15 us for the fills: below this size a fill costs the device a few microseconds and a call is bound by
+# its host time, so the fills stay.
+_TAIL_PASS_MIN_ELEMENTS = 1 << 22
+
+
+def _tail_pass(q: torch.Tensor, lengths: Lengths) -> bool:
+    """Whether this packed call's unwritten rows are set by :func:`fill_past_last_document` after its kernels."""
+    return lengths.leaves_only_a_tail and q.numel() >= _TAIL_PASS_MIN_ELEMENTS
+
 
 def run_forward(plan, q, k, v, sinks, lengths: Lengths, need_lse: bool):
     """``(out, lse)`` of ``plan``'s forward (``lse`` None unless ``need_lse``); q/k/v are 16-byte aligned (:func:`aligned`)."""
@@ -223,8 +236,14 @@ def run_forward(plan, q, k, v, sinks, lengths: Lengths, need_lse: bool):
     padded, packed = seqlens_q is not None, cu_seqlens_q is not None
     every_row = lengths.covers_every_token
     # The fold writes every row, absent ones as zero and -inf: a packed out and LSE need no fill then.
+    tail_after = _tail_pass(q, lengths) and not folds
     out, lse = allocate_forward_outputs(
-        q, v, packed=packed, need_lse=need_lse or folds, out_strides=graph.out_strides, zero_tails=not (folds or every_row)
+        q,
+        v,
+        packed=packed,
+        need_lse=need_lse or folds,
+        out_strides=graph.out_strides,
+        zero_tails=not (folds or every_row or tail_after),
     )
     # Operands are read for their addresses alone (see execute): no (B, H, S, 1) views of the LSE or sinks.
     operands = [q, k, v, out]
@@ -251,6 +270,8 @@ def run_forward(plan, q, k, v, sinks, lengths: Lengths, need_lse: bool):
         out.masked_fill_(invalid_B1S1, 0)
         if lse is not None:
             lse.masked_fill_(invalid_B1S1[..., 0], float("-inf"))
+    elif tail_after:
+        fill_past_last_document(cu_seqlens_q, [(out, 0.0)] + ([(lse, float("-inf"))] if lse is not None else []))
     count_cudnn("forward")
     return out, lse
 
@@ -264,7 +285,8 @@ def run_backward(graph, grad_out, q, k, v, out, lse, sinks, lengths: Lengths, gr
     operands (:func:`_lse_gradient_operands`), whose dQ and dK are exactly the LSE's share."""
     invalid_B1S1 = None if lengths.seqlens_q is None else _padding_rows(lengths.seqlens_q, q.shape[2])
     packed = lengths.cu_seqlens_q is not None
-    zero_tails = not lengths.covers_every_token
+    tail_after = _tail_pass(q, lengths)
+    zero_tails = not (lengths.covers_every_token or tail_after)
     length_operands = _length_operands(graph, lengths)
     dq = dk = dv = dsinks = None
     if grad_out is not None:
@@ -297,6 +319,8 @@ def run_backward(graph, grad_out, q, k, v, out, lse, sinks, lengths: Lengths, gr
             dsinks = lse_dsinks if dsinks is None else dsinks + lse_dsinks
     if invalid_B1S1 is not None:
         dq.masked_fill_(invalid_B1S1, 0)
+    elif tail_after:
+        fill_past_last_document(lengths.cu_seqlens_q, [(dq, 0.0), (dk, 0.0), (dv, 0.0)])
     count_cudnn("backward")
     return dq, dk, dv, dsinks
 

@@ -183,15 +183,17 @@ def summarize(kernels: list[tuple[str, float, float]], step_us: float, *, top: i
         by_name.setdefault(name, [0.0, 0])
         by_name[name][0] += last - first
         by_name[name][1] += 1
-    ranked = sorted(by_name.items(), key=lambda item: -item[1][0])[:top]
+    ranked = sorted(by_name.items(), key=lambda item: -item[1][0])
     return {
         "busy_ms": busy / 1000,
         **{f"{what}_pct": 100 * us / step_us for what, us in spent.items()},
         "idle_pct": 100 * max(0.0, step_us - busy) / step_us,
         "top_kernels": [
             {"name": name[:120], "ms": us / 1000, "calls": calls, "pct": 100 * us / step_us, "category": category(name)}
-            for name, (us, calls) in ranked
+            for name, (us, calls) in ranked[:top]
         ],
+        # Every kernel, for comparing two implementations' steps kernel by kernel (the JSON only: the table shows the top).
+        "kernels": [{"name": name, "ms": us / 1000, "calls": calls, "category": category(name)} for name, (us, calls) in ranked],
     }
 
 

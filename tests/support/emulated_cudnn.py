@@ -10,7 +10,8 @@ handed and writes
 
 (FlashAttention's backward, which cuDNN's implements; GQA sums dK and dV over each KV head's query heads). Like
 the real graphs they read which keys each query sees from the call's mask and the length operands: a padded
-call's per-row lengths, a packed call's prefix sums (the graphs take them as ragged offsets of unit stride here).
+call's per-row lengths, a packed call's prefix sums (the graphs take them as ragged offsets of unit stride here); and
+like them a packed graph leaves the rows outside its documents as it found them.
 Visibility follows ``reference64``'s rules, which the package's are tested against.
 
 Legend: N batch (1 for packed calls, whose tokens are one long sequence with a block-diagonal mask), H query
@@ -148,15 +149,16 @@ def _forward(graph: EmulatedGraph, operands: list) -> None:
         None if sinks is None else sinks.double(),
         torch.float64,
     )
-    _nhsd(out, p).copy_(o.reshape(N, H, Q, -1))
+    query_rows = _written_rows(row_valid, p)
+    _write(_nhsd(out, p), o.reshape(N, H, Q, -1), query_rows)
     if lse is not None:
-        _nhs(lse, p).copy_(lse_value.reshape(N, H, Q))
+        _write(_nhs(lse, p).unsqueeze(-1), lse_value.reshape(N, H, Q, 1), query_rows)
 
 
 def _backward(graph: EmulatedGraph, operands: list) -> None:
     q, k, v, out, grad_out, lse, dq, dk, dv = operands[:9]
     p, scale = graph.call.packed, graph.call.scale
-    visible, _ = _visibility(graph, q, k, operands[9:])
+    visible, row_valid = _visibility(graph, q, k, operands[9:])
     q_N, k_N, v_N, o_N, do_N = (_nhsd(t, p).double() for t in (q, k, v, out, grad_out))
     lse_N = _nhs(lse, p).double()
     N, H, _, D = q_N.shape
@@ -167,6 +169,35 @@ def _backward(graph: EmulatedGraph, operands: list) -> None:
     probs = torch.where(visible.unsqueeze(1), torch.exp(scores - lse_N.unsqueeze(-1)), 0.0)  # P from the LSE handed in
     row_dot = (do_N * o_N).sum(-1, keepdim=True)
     d_scores = probs * (do_N @ v_rep.transpose(-1, -2) - row_dot)
-    _nhsd(dq, p).copy_(scale * d_scores @ k_rep)
-    _nhsd(dk, p).copy_((scale * d_scores.transpose(-1, -2) @ q_N).reshape(N, H_kv, G, K, D).sum(2))
-    _nhsd(dv, p).copy_((probs.transpose(-1, -2) @ do_N).reshape(N, H_kv, G, K, -1).sum(2))
+    key_rows = _written_key_rows(K, operands[9:]) if p else None
+    _write(_nhsd(dq, p), scale * d_scores @ k_rep, _written_rows(row_valid, p))
+    _write(_nhsd(dk, p), (scale * d_scores.transpose(-1, -2) @ q_N).reshape(N, H_kv, G, K, D).sum(2), key_rows)
+    _write(_nhsd(dv, p), (probs.transpose(-1, -2) @ do_N).reshape(N, H_kv, G, K, -1).sum(2), key_rows)
+
+
+# Packed graphs, as cuDNN's: rows outside the documents they compute are left as they were (a capacity tail, a document
+# without keys, keys of a document without queries), so the launch code's fills and tail pass are what makes them exact.
+# Dense graphs write every row (the launch code masks padded ones itself).
+
+
+def _written_rows(row_valid: torch.Tensor, packed: bool) -> torch.Tensor | None:
+    """(N, Q) query rows a graph writes: packed, those in a document with keys; dense (None), all."""
+    return row_valid if packed else None
+
+
+def _written_key_rows(K: int, length_operands: list) -> torch.Tensor:
+    """(1, K) key rows a packed backward writes: those in a document with queries (the length operands force a
+    document's query length to 0 where it has no key)."""
+    lengths_q, cu_kv = length_operands[0].view(-1), length_operands[3].view(-1)
+    documents = lengths_q.numel()
+    document_K = torch.searchsorted(cu_kv, torch.arange(K, dtype=cu_kv.dtype), right=True) - 1
+    inside_K = (document_K >= 0) & (document_K < documents)
+    return (inside_K & (lengths_q[document_K.clamp(0, max(documents - 1, 0))] > 0)).view(1, K)
+
+
+def _write(target: torch.Tensor, value: torch.Tensor, rows: torch.Tensor | None) -> None:
+    """``target`` (N, H, S, D) = ``value`` on ``rows`` (N, S) (every row when None), untouched elsewhere."""
+    if rows is None:
+        target.copy_(value)
+    else:
+        target.copy_(torch.where(rows.view(rows.shape[0], 1, rows.shape[1], 1), value.to(target.dtype), target))

@@ -194,6 +194,9 @@ def draw_case(seed: int, index: int, profile: str = "gpu") -> dict:
         lengths_kv = _doc_lengths(r, case["docs"], case["bound_kv"], case["t_kv"])
         lengths_q = lengths_kv if case["same_cu"] else _doc_lengths(r, case["docs"], case["bound_q"], case["t_q"])
         case["lengths_q"], case["lengths_kv"] = lengths_q, lengths_kv
+        # Equal prefix sums as one tensor (how callers pass them; its capacity tail is set after the kernels) or two.
+        # Drawn last, so every earlier draw of a seed is what it was.
+        case["one_cu_tensor"] = case["same_cu"] and r.random() < 0.5
     return case
 
 
@@ -275,7 +278,11 @@ def build_call(case: dict, device: str):
     else:
         cu_dtype = getattr(torch, case["cu_dtype"])
         cu_q = torch.tensor([0, *itertools.accumulate(case["lengths_q"])], dtype=cu_dtype, device=device)
-        cu_kv = torch.tensor([0, *itertools.accumulate(case["lengths_kv"])], dtype=cu_dtype, device=device)
+        cu_kv = (
+            cu_q
+            if case.get("one_cu_tensor")
+            else torch.tensor([0, *itertools.accumulate(case["lengths_kv"])], dtype=cu_dtype, device=device)
+        )
         (q, k, v), buf = _packed_inputs(case, dtype, device, case["t_q"], case["t_kv"])
     if case["sinks"] is not None:
         sink_dtype = torch.float32 if case["sinks"] == "float32" else dtype

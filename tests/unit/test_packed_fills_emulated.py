@@ -1,0 +1,102 @@
+"""The rows packed kernels leave unwritten, on CPU: the launch code runs unchanged with emulated graphs that, like
+cuDNN's, leave rows outside their documents as they found them (``emulated_cudnn``), and every output allocated without
+a fill starts as NaN (stale memory). One prefix-sum tensor with a capacity tail goes through the tail pass
+(``packed_tails``), two tensors through the fills, prefix sums that cover every token through neither: each must give
+zero outputs and gradients and a ``-inf`` LSE there, and the same values as the others everywhere; with the tail pass
+skipped the NaN shows, so these tests can fail."""
+
+import itertools
+
+import pytest
+import torch
+
+import cudnn_attention
+from cudnn_attention import launch, validation
+from cudnn_attention import plan as plans
+from support.emulated_cudnn import emulated
+
+LENGTHS, TAIL = [5, 0, 7, 1], 3
+
+
+def _poison_unfilled(monkeypatch) -> dict:
+    """Outputs allocated without their fill start as NaN; returns the ``zero_tails`` each allocation got."""
+    seen = {"forward": [], "backward": []}
+    for direction, name in (("forward", "allocate_forward_outputs"), ("backward", "allocate_backward_outputs")):
+        real = getattr(launch, name)
+
+        def poisoned(*args, _real=real, _seen=seen[direction], **kwargs):
+            tensors = _real(*args, **kwargs)
+            _seen.append(kwargs.get("zero_tails", True))
+            if not kwargs.get("zero_tails", True):
+                for t in tensors:
+                    if t is not None:
+                        t.fill_(float("nan"))
+            return tensors
+
+        monkeypatch.setattr(launch, name, poisoned)
+    return seen
+
+
+def _run(monkeypatch, prefix_sums: str, sinks: bool):
+    """out, lse and the gradients of q, k, v (and the sinks) for ``prefix_sums``: "one" tensor for both sides,
+    "two" tensors of equal values, or one "covering" every token (no capacity tail)."""
+    torch.manual_seed(0)
+    tail = 0 if prefix_sums == "covering" else TAIL
+    cu = torch.tensor([0, *itertools.accumulate(LENGTHS)], dtype=torch.int32)
+    cu_kv = cu.clone() if prefix_sums == "two" else cu
+    T = sum(LENGTHS) + tail
+    q = torch.randn(T, 4, 8, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(T, 2, 8, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    sink = torch.randn(4, dtype=torch.float64, requires_grad=True) if sinks else None
+    if prefix_sums == "covering":  # as the transformers layer proves it of its batches
+        validation.check_prefix_sums(cu, cu, T, T, 7, 7, validate=True, cover_all=True)
+    with emulated(monkeypatch), cudnn_attention.strict():
+        out, lse = cudnn_attention.varlen_attention(q, k, v, cu, cu_kv, 7, 7, causal=True, window_size=(3, 0), sinks=sink, return_lse=True)
+        leaves = [t for t in (q, k, v, sink) if t is not None]
+        grads = torch.autograd.grad((out * torch.randn_like(out)).sum() + lse[lse.isfinite()].sum(), leaves)
+    return out.detach(), lse.detach(), grads
+
+
+@pytest.mark.parametrize("sink_forward", [None, "fold", "engine"])
+def test_one_prefix_sum_tensor_sets_its_tail_after_the_kernels(sink_forward, monkeypatch):
+    monkeypatch.setattr(launch, "_TAIL_PASS_MIN_ELEMENTS", 0)
+    if sink_forward is not None:
+        monkeypatch.setattr(plans, "sink_forward", lambda: sink_forward)
+    seen = _poison_unfilled(monkeypatch)
+    out, lse, grads = _run(monkeypatch, "one", sinks=sink_forward is not None)
+    # No fill (the backward allocates twice: the loss uses the LSE): the pass, or the fold, set the tail.
+    assert seen == {"forward": [False], "backward": [False, False]}
+    assert out[-TAIL:].abs().max() == 0 and lse[-TAIL:].isneginf().all()
+    assert all(g[-TAIL:].abs().max() == 0 for g in grads[:3])
+    assert not out.isnan().any() and not lse.isnan().any() and not any(g.isnan().any() for g in grads)
+    monkeypatch.undo()
+    if sink_forward is not None:
+        monkeypatch.setattr(plans, "sink_forward", lambda: sink_forward)
+    _poison_unfilled(monkeypatch)
+    want_out, want_lse, want_grads = _run(monkeypatch, "two", sinks=sink_forward is not None)  # the fills' path
+    assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+    assert all(torch.equal(g, w) for g, w in zip(grads, want_grads))
+
+
+def test_small_calls_and_two_tensors_keep_their_fills(monkeypatch):
+    seen = _poison_unfilled(monkeypatch)
+    for prefix_sums in ("one", "two"):  # one: below _TAIL_PASS_MIN_ELEMENTS
+        out, lse, grads = _run(monkeypatch, prefix_sums, sinks=False)
+        assert out[-TAIL:].abs().max() == 0 and lse[-TAIL:].isneginf().all() and not out.isnan().any()
+        assert not any(g.isnan().any() for g in grads)
+    assert seen == {"forward": [True, True], "backward": [True] * 4}
+
+
+def test_prefix_sums_covering_every_token_need_neither(monkeypatch):
+    seen = _poison_unfilled(monkeypatch)
+    out, lse, grads = _run(monkeypatch, "covering", sinks=False)
+    assert seen == {"forward": [False], "backward": [False, False]}
+    assert not out.isnan().any() and not any(g.isnan().any() for g in grads)
+
+
+def test_the_poison_shows_a_tail_left_unset(monkeypatch):
+    monkeypatch.setattr(launch, "_TAIL_PASS_MIN_ELEMENTS", 0)
+    monkeypatch.setattr(launch, "fill_past_last_document", lambda cu, fills: None)
+    _poison_unfilled(monkeypatch)
+    out, lse, grads = _run(monkeypatch, "one", sinks=False)
+    assert out[-TAIL:].isnan().all() and lse[-TAIL:].isnan().all() and grads[0][-TAIL:].isnan().all()
