@@ -218,9 +218,9 @@ def _packed_absent_rows(cu_seqlens_q, cu_seqlens_kv, tokens: int) -> torch.Tenso
 
 # Where only a capacity tail is left unwritten (Lengths.leaves_only_a_tail), one pass after the kernels sets it instead
 # of zero fills before them, from this many query elements (T x H x D) on. On the H200 machine the pass took 3-4 us of
-# device time against 50 us for the fills of dQ/dK/dV at gpt-oss's shape, but about 40 us of host time per launch
-# against 10-15 us for the fills: below this size a fill costs the device a few microseconds and a call is bound by
-# its host time, so the fills stay.
+# device time against 50 us for the fills of dQ/dK/dV at gpt-oss's shape, but 31-36 us of host time per launch: at the
+# host table's tiny shape it added about 40 us to a packed forward. Below this size a fill costs the device a few
+# microseconds and a call is bound by its host time, so the fills stay.
 _TAIL_PASS_MIN_ELEMENTS = 1 << 22
 
 
