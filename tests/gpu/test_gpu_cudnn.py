@@ -11,6 +11,7 @@ import torch
 
 import cudnn_attention
 from cudnn_attention.reference import varlen_reference
+from support.fill_spy import record_fills
 from support.gpu_checks import check_against_references, check_dense, poison_allocator
 from support.sync_debug import warm_and_run
 
@@ -121,22 +122,6 @@ def test_packed_empty_documents_and_capacity_tail_are_zero():
     assert all(torch.isfinite(g).all() for g in grads)
 
 
-def _spy_on_fills(monkeypatch):
-    """Record the ``zero_tails`` each packed allocation gets: whether the zero fill was skipped."""
-    from cudnn_attention import launch
-
-    fills = {"forward": [], "backward": []}
-    for direction, name in (("forward", "allocate_forward_outputs"), ("backward", "allocate_backward_outputs")):
-        real = getattr(launch, name)
-
-        def spy(*args, _real=real, _seen=fills[direction], **kwargs):
-            _seen.append(kwargs.get("zero_tails", True))
-            return _real(*args, **kwargs)
-
-        monkeypatch.setattr(launch, name, spy)
-    return fills
-
-
 @pytest.mark.parametrize("mask_name", ["none", "causal", "left_window", "left_right_window"])
 @pytest.mark.parametrize("sinks", [False, True])
 def test_packed_outputs_without_their_fill_are_written_in_every_row(mask_name, sinks, monkeypatch):
@@ -147,7 +132,7 @@ def test_packed_outputs_without_their_fill_are_written_in_every_row(mask_name, s
 
     q, k, v, s, cu, _, mq, mk = _packed_case([*ODD_LENGTHS, 0, 40], sinks=sinks)
     validation.check_prefix_sums(cu, cu, q.shape[0], k.shape[0], mq, mk, validate=False, cover_all=True)
-    fills = _spy_on_fills(monkeypatch)
+    fills = record_fills(monkeypatch)
     poison_allocator(q, k, v, torch.empty(q.shape[:2], device=DEVICE))
     out, grads = _check_packed(MASKS[mask_name], q, k, v, s, cu, cu, mq, mk)
     assert fills == {"forward": [False], "backward": [False]}
@@ -183,7 +168,7 @@ def test_one_prefix_sum_tensor_with_a_capacity_tail_sets_only_the_tail(mask_name
     if sink_forward is not None:
         monkeypatch.setattr(plan, "sink_forward", lambda: sink_forward)
     q, k, v, s, cu, _, mq, mk = _packed_case([*ODD_LENGTHS, 0, 40], sinks=sink_forward is not None, tail=9)
-    fills = _spy_on_fills(monkeypatch)
+    fills = record_fills(monkeypatch)
     poison_allocator(q, k, v, torch.empty(q.shape[:2], device=DEVICE))
     out, grads = _check_packed(MASKS[mask_name], q, k, v, s, cu, cu, mq, mk)
     assert fills == {"forward": [False], "backward": [False]}
@@ -223,7 +208,7 @@ def test_the_poison_shows_a_tail_left_unset(monkeypatch):
 
 def test_small_calls_keep_their_fills(monkeypatch):
     # Below _TAIL_PASS_MIN_ELEMENTS the fills stay (a host-bound call would pay the pass's launch): still exact.
-    fills = _spy_on_fills(monkeypatch)
+    fills = record_fills(monkeypatch)
     q, k, v, _, cu, _, mq, mk = _packed_case([50, 31], tail=7)
     poison_allocator(q, k, v)
     out, grads = _check_packed(dict(causal=True), q, k, v, None, cu, cu, mq, mk)

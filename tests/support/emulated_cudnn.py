@@ -149,7 +149,7 @@ def _forward(graph: EmulatedGraph, operands: list) -> None:
         None if sinks is None else sinks.double(),
         torch.float64,
     )
-    query_rows = _written_rows(row_valid, p)
+    query_rows = row_valid if p else None  # packed: rows in a document with keys; dense: every row
     _write(_nhsd(out, p), o.reshape(N, H, Q, -1), query_rows)
     if lse is not None:
         _write(_nhs(lse, p).unsqueeze(-1), lse_value.reshape(N, H, Q, 1), query_rows)
@@ -170,7 +170,7 @@ def _backward(graph: EmulatedGraph, operands: list) -> None:
     row_dot = (do_N * o_N).sum(-1, keepdim=True)
     d_scores = probs * (do_N @ v_rep.transpose(-1, -2) - row_dot)
     key_rows = _written_key_rows(K, operands[9:]) if p else None
-    _write(_nhsd(dq, p), scale * d_scores @ k_rep, _written_rows(row_valid, p))
+    _write(_nhsd(dq, p), scale * d_scores @ k_rep, row_valid if p else None)
     _write(_nhsd(dk, p), (scale * d_scores.transpose(-1, -2) @ q_N).reshape(N, H_kv, G, K, D).sum(2), key_rows)
     _write(_nhsd(dv, p), (probs.transpose(-1, -2) @ do_N).reshape(N, H_kv, G, K, -1).sum(2), key_rows)
 
@@ -178,11 +178,6 @@ def _backward(graph: EmulatedGraph, operands: list) -> None:
 # Packed graphs, as cuDNN's: rows outside the documents they compute are left as they were (a capacity tail, a document
 # without keys, keys of a document without queries), so the launch code's fills and tail pass are what makes them exact.
 # Dense graphs write every row (the launch code masks padded ones itself).
-
-
-def _written_rows(row_valid: torch.Tensor, packed: bool) -> torch.Tensor | None:
-    """(N, Q) query rows a graph writes: packed, those in a document with keys; dense (None), all."""
-    return row_valid if packed else None
 
 
 def _written_key_rows(K: int, length_operands: list) -> torch.Tensor:

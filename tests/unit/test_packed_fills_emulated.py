@@ -14,27 +14,9 @@ import cudnn_attention
 from cudnn_attention import launch, validation
 from cudnn_attention import plan as plans
 from support.emulated_cudnn import emulated
+from support.fill_spy import record_fills
 
 LENGTHS, TAIL = [5, 0, 7, 1], 3
-
-
-def _poison_unfilled(monkeypatch) -> dict:
-    """Outputs allocated without their fill start as NaN; returns the ``zero_tails`` each allocation got."""
-    seen = {"forward": [], "backward": []}
-    for direction, name in (("forward", "allocate_forward_outputs"), ("backward", "allocate_backward_outputs")):
-        real = getattr(launch, name)
-
-        def poisoned(*args, _real=real, _seen=seen[direction], **kwargs):
-            tensors = _real(*args, **kwargs)
-            _seen.append(kwargs.get("zero_tails", True))
-            if not kwargs.get("zero_tails", True):
-                for t in tensors:
-                    if t is not None:
-                        t.fill_(float("nan"))
-            return tensors
-
-        monkeypatch.setattr(launch, name, poisoned)
-    return seen
 
 
 def _run(monkeypatch, prefix_sums: str, sinks: bool):
@@ -62,7 +44,7 @@ def test_one_prefix_sum_tensor_sets_its_tail_after_the_kernels(sink_forward, mon
     monkeypatch.setattr(launch, "_TAIL_PASS_MIN_ELEMENTS", 0)
     if sink_forward is not None:
         monkeypatch.setattr(plans, "sink_forward", lambda: sink_forward)
-    seen = _poison_unfilled(monkeypatch)
+    seen = record_fills(monkeypatch, poison=True)
     out, lse, grads = _run(monkeypatch, "one", sinks=sink_forward is not None)
     # No fill (the backward allocates twice: the loss uses the LSE): the pass, or the fold, set the tail.
     assert seen == {"forward": [False], "backward": [False, False]}
@@ -72,14 +54,14 @@ def test_one_prefix_sum_tensor_sets_its_tail_after_the_kernels(sink_forward, mon
     monkeypatch.undo()
     if sink_forward is not None:
         monkeypatch.setattr(plans, "sink_forward", lambda: sink_forward)
-    _poison_unfilled(monkeypatch)
+    record_fills(monkeypatch, poison=True)
     want_out, want_lse, want_grads = _run(monkeypatch, "two", sinks=sink_forward is not None)  # the fills' path
     assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
     assert all(torch.equal(g, w) for g, w in zip(grads, want_grads))
 
 
 def test_small_calls_and_two_tensors_keep_their_fills(monkeypatch):
-    seen = _poison_unfilled(monkeypatch)
+    seen = record_fills(monkeypatch, poison=True)
     for prefix_sums in ("one", "two"):  # one: below _TAIL_PASS_MIN_ELEMENTS
         out, lse, grads = _run(monkeypatch, prefix_sums, sinks=False)
         assert out[-TAIL:].abs().max() == 0 and lse[-TAIL:].isneginf().all() and not out.isnan().any()
@@ -88,7 +70,7 @@ def test_small_calls_and_two_tensors_keep_their_fills(monkeypatch):
 
 
 def test_prefix_sums_covering_every_token_need_neither(monkeypatch):
-    seen = _poison_unfilled(monkeypatch)
+    seen = record_fills(monkeypatch, poison=True)
     out, lse, grads = _run(monkeypatch, "covering", sinks=False)
     assert seen == {"forward": [False], "backward": [False, False]}
     assert not out.isnan().any() and not any(g.isnan().any() for g in grads)
@@ -97,6 +79,6 @@ def test_prefix_sums_covering_every_token_need_neither(monkeypatch):
 def test_the_poison_shows_a_tail_left_unset(monkeypatch):
     monkeypatch.setattr(launch, "_TAIL_PASS_MIN_ELEMENTS", 0)
     monkeypatch.setattr(launch, "fill_past_last_document", lambda cu, fills: None)
-    _poison_unfilled(monkeypatch)
+    record_fills(monkeypatch, poison=True)
     out, lse, grads = _run(monkeypatch, "one", sinks=False)
     assert out[-TAIL:].isnan().all() and lse[-TAIL:].isnan().all() and grads[0][-TAIL:].isnan().all()
