@@ -93,8 +93,8 @@ class Lengths:
     def leaves_only_a_tail(self) -> bool:
         """Packed, not covering every token, one prefix-sum tensor for both sides: every document with queries has
         keys and every key is seen by its own query, so the kernels leave only the rows past the last document
-        unwritten (set after them by :func:`cudnn_attention.packed_tails.fill_past_last_document`, not filled before).
-        Two tensors may also leave documents without keys, or keys no query sees: those outputs are zero-filled first."""
+        unwritten. Two tensors may also leave the queries of documents without keys. Either way, large calls set those
+        rows after the kernels (:mod:`cudnn_attention.packed_rows`) and small ones zero-fill their outputs first."""
         return self.cu_seqlens_q is not None and self.cu_seqlens_q is self.cu_seqlens_kv and not self.covers_every_token
 
     def tensors(self) -> tuple:

@@ -21,7 +21,7 @@ from . import _compat, tensor_memo
 from .call import Lengths
 from .fused_sinks import fold_sinks, sink_gradient
 from .layouts import allocate_backward_outputs, allocate_forward_outputs
-from .packed_tails import fill_past_last_document
+from .packed_rows import fill_past_last_document, fill_rows
 from .policy import count_cudnn, note_copy
 
 __all__ = [
@@ -203,47 +203,74 @@ def _padding_rows(seqlens_q, s_q: int) -> torch.Tensor:
     return (torch.arange(s_q, device=seqlens_q.device) >= seqlens_q.view(-1, 1)).view(-1, 1, s_q, 1)
 
 
-def _packed_absent_rows(cu_seqlens_q, cu_seqlens_kv, tokens: int) -> torch.Tensor:
-    """(T, 1) bool: packed query tokens in no document (past ``cu_seqlens_q[-1]``) or in a document with no key."""
+def _packed_absent_rows(cu_seqlens_rows, cu_seqlens_other, tokens: int) -> torch.Tensor:
+    """(T, 1) bool: packed tokens of one side (``cu_seqlens_rows``'s) in no document (past its last entry) or in a
+    document with no token on the other side: queries without a key, keys without a query."""
     document_T = (
-        torch.searchsorted(cu_seqlens_q, torch.arange(tokens, device=cu_seqlens_q.device, dtype=cu_seqlens_q.dtype), right=True) - 1
+        torch.searchsorted(cu_seqlens_rows, torch.arange(tokens, device=cu_seqlens_rows.device, dtype=cu_seqlens_rows.dtype), right=True)
+        - 1
     )
-    has_keys = torch.cat([cu_seqlens_kv[1:] > cu_seqlens_kv[:-1], cu_seqlens_kv.new_zeros(1, dtype=torch.bool)])
-    return ~has_keys[document_T].unsqueeze(-1)
+    has_other = torch.cat([cu_seqlens_other[1:] > cu_seqlens_other[:-1], cu_seqlens_other.new_zeros(1, dtype=torch.bool)])
+    return ~has_other[document_T].unsqueeze(-1)
+
+
+def _absent_query_rows(lengths: Lengths, tokens: int) -> torch.Tensor:
+    cu_seqlens_q, cu_seqlens_kv = lengths.cu_seqlens_q, lengths.cu_seqlens_kv
+    return _memoized(cu_seqlens_q, cu_seqlens_kv, ("absent rows", tokens), lambda: _packed_absent_rows(cu_seqlens_q, cu_seqlens_kv, tokens))
+
+
+def _absent_key_rows(lengths: Lengths, tokens: int) -> torch.Tensor:
+    cu_seqlens_q, cu_seqlens_kv = lengths.cu_seqlens_q, lengths.cu_seqlens_kv
+    return _memoized(
+        cu_seqlens_q, cu_seqlens_kv, ("absent key rows", tokens), lambda: _packed_absent_rows(cu_seqlens_kv, cu_seqlens_q, tokens)
+    )
 
 
 # ----------------------------------------------------------------------------------------------
 # Runs
 # ----------------------------------------------------------------------------------------------
 
-# Where only a capacity tail is left unwritten (Lengths.leaves_only_a_tail), one pass after the kernels sets it instead
-# of zero fills before them, from this many query elements (T x H x D) on. On the H200 machine the pass took 3-4 us of
-# device time against 50 us for the fills of dQ/dK/dV at gpt-oss's shape, but 31-36 us of host time per launch: at the
-# host table's tiny shape it added about 40 us to a packed forward. Below this size a fill costs the device a few
-# microseconds and a call is bound by its host time, so the fills stay.
-_TAIL_PASS_MIN_ELEMENTS = 1 << 22
+# The packed rows the kernels leave unwritten (a capacity tail; with two prefix-sum tensors, also queries without keys)
+# are set by one pass after the kernels instead of zero fills before them, from this many query elements (T x H x D)
+# on. On the H200 machine the pass took 3-4 us of device time against 50 us for the fills of dQ/dK/dV at gpt-oss's
+# shape, but 31-36 us of host time per launch: at the host table's tiny shape it added about 40 us to a packed forward.
+# Below this size a fill costs the device a few microseconds and a call is bound by its host time, so the fills stay.
+_PASS_AFTER_MIN_ELEMENTS = 1 << 22
 
 
-def _tail_pass(q: torch.Tensor, lengths: Lengths) -> bool:
-    """Whether this packed call's unwritten rows are set by :func:`fill_past_last_document` after its kernels."""
-    return lengths.leaves_only_a_tail and q.numel() >= _TAIL_PASS_MIN_ELEMENTS
+def _rows_set_after(q: torch.Tensor, lengths: Lengths) -> bool:
+    """Whether this packed call's unwritten rows are set after its kernels (:func:`_set_unwritten_rows`), not filled first."""
+    return lengths.cu_seqlens_q is not None and not lengths.covers_every_token and q.numel() >= _PASS_AFTER_MIN_ELEMENTS
+
+
+def _set_unwritten_rows(lengths: Lengths, query_fills: list, key_fills: tuple | list = ()) -> None:
+    """Set the rows the packed kernels left unwritten: ``(tensor, value)`` of the query side's outputs (O, the LSE, dQ)
+    and of the key side's (dK, dV). One prefix-sum tensor leaves only its tail; two may also leave the queries of a
+    document without keys (cuDNN 9.19 was seen to write the keys of a document without queries; they are set all the
+    same, as nothing promises it)."""
+    if lengths.leaves_only_a_tail:
+        fill_past_last_document(lengths.cu_seqlens_q, [*query_fills, *key_fills])
+        return
+    fills = [(t, _absent_query_rows(lengths, t.shape[0]), value) for t, value in query_fills]
+    fills += [(t, _absent_key_rows(lengths, t.shape[0]), value) for t, value in key_fills]
+    fill_rows(fills)
 
 
 def run_forward(plan, q, k, v, sinks, lengths: Lengths, need_lse: bool):
     """``(out, lse)`` of ``plan``'s forward (``lse`` None unless ``need_lse``); q/k/v are 16-byte aligned (:func:`aligned`)."""
     graph, folds = plan.forward, plan.folds_sinks
-    seqlens_q, cu_seqlens_q, cu_seqlens_kv = lengths.seqlens_q, lengths.cu_seqlens_q, lengths.cu_seqlens_kv
-    padded, packed = seqlens_q is not None, cu_seqlens_q is not None
+    seqlens_q = lengths.seqlens_q
+    padded, packed = seqlens_q is not None, lengths.cu_seqlens_q is not None
     every_row = lengths.covers_every_token
     # The fold writes every row, absent ones as zero and -inf: a packed out and LSE need no fill then.
-    tail_after = _tail_pass(q, lengths) and not folds
+    set_after = _rows_set_after(q, lengths) and not folds
     out, lse = allocate_forward_outputs(
         q,
         v,
         packed=packed,
         need_lse=need_lse or folds,
         out_strides=graph.out_strides,
-        zero_tails=not (folds or every_row or tail_after),
+        zero_tails=not (folds or every_row or set_after),
     )
     # Operands are read for their addresses alone (see execute): no (B, H, S, 1) views of the LSE or sinks.
     operands = [q, k, v, out]
@@ -259,10 +286,7 @@ def run_forward(plan, q, k, v, sinks, lengths: Lengths, need_lse: bool):
         if padded:
             absent = invalid_B1S1[..., 0]
         elif packed and not every_row:
-            tokens = q.shape[0]
-            absent = _memoized(
-                cu_seqlens_q, cu_seqlens_kv, ("absent rows", tokens), lambda: _packed_absent_rows(cu_seqlens_q, cu_seqlens_kv, tokens)
-            )
+            absent = _absent_query_rows(lengths, q.shape[0])
         fold_sinks(out, lse, sinks, absent)
         if not need_lse:
             lse = None
@@ -270,8 +294,8 @@ def run_forward(plan, q, k, v, sinks, lengths: Lengths, need_lse: bool):
         out.masked_fill_(invalid_B1S1, 0)
         if lse is not None:
             lse.masked_fill_(invalid_B1S1[..., 0], float("-inf"))
-    elif tail_after:
-        fill_past_last_document(cu_seqlens_q, [(out, 0.0)] + ([(lse, float("-inf"))] if lse is not None else []))
+    elif set_after:
+        _set_unwritten_rows(lengths, [(out, 0.0)] + ([(lse, float("-inf"))] if lse is not None else []))
     count_cudnn("forward")
     return out, lse
 
@@ -285,8 +309,8 @@ def run_backward(graph, grad_out, q, k, v, out, lse, sinks, lengths: Lengths, gr
     operands (:func:`_lse_gradient_operands`), whose dQ and dK are exactly the LSE's share."""
     invalid_B1S1 = None if lengths.seqlens_q is None else _padding_rows(lengths.seqlens_q, q.shape[2])
     packed = lengths.cu_seqlens_q is not None
-    tail_after = _tail_pass(q, lengths)
-    zero_tails = not (lengths.covers_every_token or tail_after)
+    set_after = _rows_set_after(q, lengths)
+    zero_tails = not (lengths.covers_every_token or set_after)
     length_operands = _length_operands(graph, lengths)
     dq = dk = dv = dsinks = None
     if grad_out is not None:
@@ -319,8 +343,8 @@ def run_backward(graph, grad_out, q, k, v, out, lse, sinks, lengths: Lengths, gr
             dsinks = lse_dsinks if dsinks is None else dsinks + lse_dsinks
     if invalid_B1S1 is not None:
         dq.masked_fill_(invalid_B1S1, 0)
-    elif tail_after:
-        fill_past_last_document(lengths.cu_seqlens_q, [(dq, 0.0), (dk, 0.0), (dv, 0.0)])
+    elif set_after:
+        _set_unwritten_rows(lengths, [(dq, 0.0)], [(dk, 0.0), (dv, 0.0)])
     count_cudnn("backward")
     return dq, dk, dv, dsinks
 

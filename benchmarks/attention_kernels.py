@@ -237,6 +237,11 @@ def implementations(case: Case, q, k, v, sinks, cu):
         impls["cudnn_attention, every token in a document"] = lambda: cudnn_attention.varlen_attention(
             q, k, v, covered, covered, max_len, max_len, causal=True, window_size=window, sinks=sinks
         )
+        # Two tensors of the same values, as transformers' flash kwargs (cu_seq_lens_q, cu_seq_lens_k) hand them over.
+        cu_kv = cu.clone()
+        impls["cudnn_attention, two prefix-sum tensors"] = lambda: cudnn_attention.varlen_attention(
+            q, k, v, cu, cu_kv, max_len, max_len, causal=True, window_size=window, sinks=sinks
+        )
         if fa4 is not None:
             impls["FlashAttention 4"] = lambda: fa4_varlen(fa4, q, k, v, cu, max_len, case.left, sinks)
         if not case.sinks:

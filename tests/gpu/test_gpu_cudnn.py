@@ -160,11 +160,11 @@ def test_the_poison_shows_a_fill_skipped_where_rows_are_unwritten(monkeypatch):
 @pytest.mark.parametrize("sink_forward", [None, "fold", "engine"])
 def test_one_prefix_sum_tensor_with_a_capacity_tail_sets_only_the_tail(mask_name, sink_forward, monkeypatch):
     # One tensor for both sides that stops short of the tokens (a fixed-size buffer): nothing is zero-filled first; the
-    # tail is set after the kernels (packed_tails; with the fold, by the fold), so any other row the kernels left
+    # tail is set after the kernels (packed_rows; with the fold, by the fold), so any other row the kernels left
     # unwritten would read the poison.
     from cudnn_attention import launch, plan
 
-    monkeypatch.setattr(launch, "_TAIL_PASS_MIN_ELEMENTS", 0)  # this small case takes the pass, as a training step's does
+    monkeypatch.setattr(launch, "_PASS_AFTER_MIN_ELEMENTS", 0)  # this small case takes the pass, as a training step's does
     if sink_forward is not None:
         monkeypatch.setattr(plan, "sink_forward", lambda: sink_forward)
     q, k, v, s, cu, _, mq, mk = _packed_case([*ODD_LENGTHS, 0, 40], sinks=sink_forward is not None, tail=9)
@@ -179,12 +179,52 @@ def test_one_prefix_sum_tensor_with_a_capacity_tail_sets_only_the_tail(mask_name
     assert lse[-9:].isneginf().all() and torch.isfinite(lse[:-9]).all()
 
 
+@pytest.mark.parametrize("mask_name", ["causal", "bottom_right_decode", "left_window", "left_right_window"])
+@pytest.mark.parametrize("sink_forward", [None, "fold", "engine"])
+def test_two_prefix_sum_tensors_set_their_unwritten_rows_after_the_kernels(mask_name, sink_forward, monkeypatch):
+    # Separate prefix sums for q and kv (transformers' flash kwargs): a document with keys and no query, one with
+    # queries and no key, capacity tails on both sides. Nothing is zero-filled first; the rows the kernels leave
+    # unwritten are set after them (packed_rows.fill_rows), so any other unwritten row would read the poison.
+    from cudnn_attention import launch, plan
+
+    monkeypatch.setattr(launch, "_PASS_AFTER_MIN_ELEMENTS", 0)
+    if sink_forward is not None:
+        monkeypatch.setattr(plan, "sink_forward", lambda: sink_forward)
+    kv_lengths, q_lengths = [129, 1, 77, 300, 5, 0, 40], [129, 1, 0, 300, 5, 20, 40]
+    q, k, v, s, cu_q, cu_kv, mq, mk = _packed_case(kv_lengths, sinks=sink_forward is not None, tail=9, q_lengths=q_lengths)
+    fills = record_fills(monkeypatch)
+    poison_allocator(q, k, v, torch.empty(q.shape[:2], device=DEVICE))
+    out, grads = _check_packed(MASKS[mask_name], q, k, v, s, cu_q, cu_kv, mq, mk)
+    assert fills == {"forward": [False], "backward": [False]}
+    no_key, no_query = slice(435, 455), slice(130, 207)  # the sixth document's queries, the third one's keys
+    assert out[no_key].abs().max() == 0 and grads[0][no_key].abs().max() == 0
+    assert grads[1][no_query].abs().max() == 0 and grads[2][no_query].abs().max() == 0
+    assert out[-9:].abs().max() == 0 and all(g[-9:].abs().max() == 0 for g in grads[:3])
+    assert torch.isfinite(out).all() and all(torch.isfinite(g).all() for g in grads)
+    with torch.no_grad():
+        _, lse = cudnn_attention.varlen_attention(q, k, v, cu_q, cu_kv, mq, mk, return_lse=True, sinks=s, **MASKS[mask_name])
+    assert lse[no_key].isneginf().all() and lse[-9:].isneginf().all() and not lse.isnan().any()
+
+
+def test_the_poison_shows_rows_left_unset(monkeypatch):
+    # The test above is only as good as its poison: with the pass after the kernels skipped, the rows read it.
+    from cudnn_attention import launch
+
+    monkeypatch.setattr(launch, "_PASS_AFTER_MIN_ELEMENTS", 0)
+    monkeypatch.setattr(launch, "fill_rows", lambda fills: None)
+    q, k, v, _, cu_q, cu_kv, mq, mk = _packed_case([50, 0, 31], tail=7, q_lengths=[50, 9, 31])
+    poison_allocator(q, k, v)
+    out = cudnn_attention.varlen_attention(q, k, v, cu_q, cu_kv, mq, mk, causal=True)
+    out.backward(torch.randn_like(out))
+    assert not torch.isfinite(out[50:59]).all() and not torch.isfinite(q.grad[-7:]).all()
+
+
 def test_a_tail_that_grows_in_place_is_read_anew(monkeypatch):
     # The tail's start is read on the device at each launch: a loader that rewrites the prefix sums in place with
     # fewer tokens gets the new tail zeroed, with the same graphs.
     from cudnn_attention import launch
 
-    monkeypatch.setattr(launch, "_TAIL_PASS_MIN_ELEMENTS", 0)
+    monkeypatch.setattr(launch, "_PASS_AFTER_MIN_ELEMENTS", 0)
     q, k, v, _, cu, _, mq, mk = _packed_case(ODD_LENGTHS, tail=4)
     _check_packed(dict(causal=True), q, k, v, None, cu, cu, mq, mk)
     cu.copy_(torch.tensor([0, 129, 130, 207, 300, 305], dtype=cu.dtype))  # the fourth document shrinks to 93 tokens
@@ -197,7 +237,7 @@ def test_the_poison_shows_a_tail_left_unset(monkeypatch):
     # The test above is only as good as its poison: with the pass after the kernels skipped, the tail reads it.
     from cudnn_attention import launch
 
-    monkeypatch.setattr(launch, "_TAIL_PASS_MIN_ELEMENTS", 0)
+    monkeypatch.setattr(launch, "_PASS_AFTER_MIN_ELEMENTS", 0)
     monkeypatch.setattr(launch, "fill_past_last_document", lambda cu, fills: None)
     q, k, v, _, cu, _, mq, mk = _packed_case([50, 31], tail=7)
     poison_allocator(q, k, v)
@@ -207,7 +247,7 @@ def test_the_poison_shows_a_tail_left_unset(monkeypatch):
 
 
 def test_small_calls_keep_their_fills(monkeypatch):
-    # Below _TAIL_PASS_MIN_ELEMENTS the fills stay (a host-bound call would pay the pass's launch): still exact.
+    # Below _PASS_AFTER_MIN_ELEMENTS the fills stay (a host-bound call would pay the pass's launch): still exact.
     fills = record_fills(monkeypatch)
     q, k, v, _, cu, _, mq, mk = _packed_case([50, 31], tail=7)
     poison_allocator(q, k, v)

@@ -11,7 +11,9 @@ running it, so a GPU fault is a failing case naming its config (the parent resta
 not a dead suite.
 
 Knobs: ``CUDNN_ATTENTION_FUZZ_CASES`` (4000), ``CUDNN_ATTENTION_FUZZ_WORKERS`` (12), ``CUDNN_ATTENTION_FUZZ_SEED``
-(20250611), ``CUDNN_ATTENTION_FUZZ_TIMEOUT`` (seconds, 540), ``CUDNN_ATTENTION_FUZZ_REPORT`` (write the table there).
+(20250611), ``CUDNN_ATTENTION_FUZZ_TIMEOUT`` (seconds, 540), ``CUDNN_ATTENTION_FUZZ_REPORT`` (write the table there),
+``CUDNN_ATTENTION_FUZZ_PASSES_AFTER`` (set: every packed call sets its unwritten rows after the kernels whatever its
+size, on outputs allocated as NaN; see ``fuzz_worker``).
 
     python -m pytest -q -s tests/gpu/test_gpu_fuzz.py
 """

@@ -6,7 +6,8 @@ from cudnn_attention import launch
 
 def record_fills(monkeypatch, *, poison: bool = False) -> dict:
     """``{"forward": [...], "backward": [...]}``: the ``zero_tails`` of each allocation, in call order; with ``poison``,
-    outputs allocated without their fill start as NaN (on a GPU, ``gpu_checks.poison_allocator`` does that instead)."""
+    outputs allocated without their fill start as NaN (on a GPU, ``gpu_checks.poison_allocator`` does that for a test's
+    first call; the fuzz workers poison here). ``monkeypatch``: pytest's fixture or a ``pytest.MonkeyPatch()``."""
     seen = {"forward": [], "backward": []}
     for direction, name in (("forward", "allocate_forward_outputs"), ("backward", "allocate_backward_outputs")):
         real = getattr(launch, name)

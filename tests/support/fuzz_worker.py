@@ -31,6 +31,19 @@ def _emit(stream, record: dict) -> None:
         pass
 
 
+def _passes_after_on_poisoned_memory() -> None:
+    """Every packed call that does not cover every token sets its unwritten rows after the kernels whatever its size
+    (``launch._PASS_AFTER_MIN_ELEMENTS`` 0, where most fuzz cases would be below it), on outputs that start as NaN."""
+    import pytest
+
+    from cudnn_attention import launch
+    from support.fill_spy import record_fills
+
+    patch = pytest.MonkeyPatch()
+    patch.setattr(launch, "_PASS_AFTER_MIN_ELEMENTS", 0)
+    record_fills(patch, poison=True)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, required=True)
@@ -48,6 +61,8 @@ def main(argv=None) -> int:
     from support.fuzz_cases import draw_case, run_case
 
     torch.set_num_threads(args.threads)
+    if os.environ.get("CUDNN_ATTENTION_FUZZ_PASSES_AFTER"):
+        _passes_after_on_poisoned_memory()
     warnings.simplefilter("ignore", cudnn_attention.CudnnAttentionFallbackWarning)
     stream = sys.stdout if args.out == "-" else open(args.out, "a", encoding="utf-8")
     for index in range(args.start, args.start + args.count):
