@@ -23,6 +23,7 @@ import torch
 
 import cudnn_attention
 from cudnn_attention import launch, plan
+from cudnn_attention.masking import make_mask_spec, visible_keys
 
 SENTINEL = 1024.0  # exact in bf16 and fp32; no output of random inputs is 1024 in every element of a row
 
@@ -64,14 +65,9 @@ def _sentinel_outputs():
     launch._PASS_AFTER_MIN_ELEMENTS = 1 << 62
 
 
-def _sees(i, j, len_q, len_kv, causal, bottom_right, window) -> bool:
-    left, right = window
-    offset = j - i - ((len_kv - len_q) if bottom_right else 0)
-    return not ((causal and offset > 0) or (left >= 0 and offset < -left) or (right >= 0 and offset > right))
-
-
 def _expected(lengths_q, lengths_kv, T_q, T_kv, causal, bottom_right, window):
     """(query rows, key rows) the passes set, and (query rows, key rows) with no key / no query under the mask."""
+    mask = make_mask_spec(causal=causal, bottom_right=bottom_right, window_size=window)
     documents_q, documents_kv = set(range(T_q)), set(range(T_kv))
     mask_q, mask_kv = set(range(T_q)), set(range(T_kv))
     cu_q, cu_kv = [0, *itertools.accumulate(lengths_q)], [0, *itertools.accumulate(lengths_kv)]
@@ -80,10 +76,9 @@ def _expected(lengths_q, lengths_kv, T_q, T_kv, causal, bottom_right, window):
             continue
         documents_q -= set(range(cu_q[b], cu_q[b + 1]))
         documents_kv -= set(range(cu_kv[b], cu_kv[b + 1]))
-        for i, j in itertools.product(range(len_q), range(len_kv)):
-            if _sees(i, j, len_q, len_kv, causal, bottom_right, window):
-                mask_q.discard(cu_q[b] + i)
-                mask_kv.discard(cu_kv[b] + j)
+        visible_1QK = visible_keys(mask, torch.tensor([len_q]), torch.tensor([len_kv]), len_q, len_kv)
+        mask_q -= {cu_q[b] + i for i in torch.nonzero(visible_1QK[0].any(1)).flatten().tolist()}
+        mask_kv -= {cu_kv[b] + j for j in torch.nonzero(visible_1QK[0].any(0)).flatten().tolist()}
     return documents_q, documents_kv, mask_q, mask_kv
 
 
