@@ -207,22 +207,25 @@ def _packed_absent_rows(cu_seqlens_rows, cu_seqlens_other, tokens: int) -> torch
     """(T, 1) bool: packed tokens of one side (``cu_seqlens_rows``'s) in no document (past its last entry) or in a
     document with no token on the other side: queries without a key, keys without a query."""
     document_T = (
-        torch.searchsorted(cu_seqlens_rows, torch.arange(tokens, device=cu_seqlens_rows.device, dtype=cu_seqlens_rows.dtype), right=True)
+        torch.searchsorted(
+            cu_seqlens_rows, torch.arange(tokens, device=cu_seqlens_rows.device, dtype=cu_seqlens_rows.dtype), right=True, out_int32=True
+        )
         - 1
     )
     has_other = torch.cat([cu_seqlens_other[1:] > cu_seqlens_other[:-1], cu_seqlens_other.new_zeros(1, dtype=torch.bool)])
     return ~has_other[document_T].unsqueeze(-1)
 
 
-def _absent_query_rows(lengths: Lengths, tokens: int) -> torch.Tensor:
-    cu_seqlens_q, cu_seqlens_kv = lengths.cu_seqlens_q, lengths.cu_seqlens_kv
-    return _memoized(cu_seqlens_q, cu_seqlens_kv, ("absent rows", tokens), lambda: _packed_absent_rows(cu_seqlens_q, cu_seqlens_kv, tokens))
-
-
-def _absent_key_rows(lengths: Lengths, tokens: int) -> torch.Tensor:
+def _absent_rows(lengths: Lengths, tokens_q: int, tokens_kv: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(absent_q, absent_kv)``, (T, 1) bool each (:func:`_packed_absent_rows` of either side), derived together once per
+    batch: at its first call (a forward, where memory is low), not at the first backward, whose peak the temporaries of
+    the derivation would raise."""
     cu_seqlens_q, cu_seqlens_kv = lengths.cu_seqlens_q, lengths.cu_seqlens_kv
     return _memoized(
-        cu_seqlens_q, cu_seqlens_kv, ("absent key rows", tokens), lambda: _packed_absent_rows(cu_seqlens_kv, cu_seqlens_q, tokens)
+        cu_seqlens_q,
+        cu_seqlens_kv,
+        ("absent rows", tokens_q, tokens_kv),
+        lambda: (_packed_absent_rows(cu_seqlens_q, cu_seqlens_kv, tokens_q), _packed_absent_rows(cu_seqlens_kv, cu_seqlens_q, tokens_kv)),
     )
 
 
@@ -243,17 +246,16 @@ def _rows_set_after(q: torch.Tensor, lengths: Lengths) -> bool:
     return lengths.cu_seqlens_q is not None and not lengths.covers_every_token and q.numel() >= _PASS_AFTER_MIN_ELEMENTS
 
 
-def _set_unwritten_rows(lengths: Lengths, query_fills: list, key_fills: tuple | list = ()) -> None:
+def _set_unwritten_rows(lengths: Lengths, q, k, query_fills: list, key_fills: tuple | list = ()) -> None:
     """Set the rows the packed kernels left unwritten: ``(tensor, value)`` of the query side's outputs (O, the LSE, dQ)
     and of the key side's (dK, dV). One prefix-sum tensor leaves only its tail; two may also leave the queries of a
     document without keys (cuDNN 9.19 was seen to write the keys of a document without queries; they are set all the
-    same, as nothing promises it)."""
+    same, as nothing promises it: ``benchmarks/unwritten_rows.py``)."""
     if lengths.leaves_only_a_tail:
         fill_past_last_document(lengths.cu_seqlens_q, [*query_fills, *key_fills])
         return
-    fills = [(t, _absent_query_rows(lengths, t.shape[0]), value) for t, value in query_fills]
-    fills += [(t, _absent_key_rows(lengths, t.shape[0]), value) for t, value in key_fills]
-    fill_rows(fills)
+    absent_q, absent_kv = _absent_rows(lengths, q.shape[0], k.shape[0])
+    fill_rows([(t, absent_q, value) for t, value in query_fills] + [(t, absent_kv, value) for t, value in key_fills])
 
 
 def run_forward(plan, q, k, v, sinks, lengths: Lengths, need_lse: bool):
@@ -286,7 +288,7 @@ def run_forward(plan, q, k, v, sinks, lengths: Lengths, need_lse: bool):
         if padded:
             absent = invalid_B1S1[..., 0]
         elif packed and not every_row:
-            absent = _absent_query_rows(lengths, q.shape[0])
+            absent = _absent_rows(lengths, q.shape[0], k.shape[0])[0]
         fold_sinks(out, lse, sinks, absent)
         if not need_lse:
             lse = None
@@ -295,7 +297,7 @@ def run_forward(plan, q, k, v, sinks, lengths: Lengths, need_lse: bool):
         if lse is not None:
             lse.masked_fill_(invalid_B1S1[..., 0], float("-inf"))
     elif set_after:
-        _set_unwritten_rows(lengths, [(out, 0.0)] + ([(lse, float("-inf"))] if lse is not None else []))
+        _set_unwritten_rows(lengths, q, k, [(out, 0.0)] + ([(lse, float("-inf"))] if lse is not None else []))
     count_cudnn("forward")
     return out, lse
 
@@ -344,7 +346,7 @@ def run_backward(graph, grad_out, q, k, v, out, lse, sinks, lengths: Lengths, gr
     if invalid_B1S1 is not None:
         dq.masked_fill_(invalid_B1S1, 0)
     elif set_after:
-        _set_unwritten_rows(lengths, [(dq, 0.0)], [(dk, 0.0), (dv, 0.0)])
+        _set_unwritten_rows(lengths, q, k, [(dq, 0.0)], [(dk, 0.0), (dv, 0.0)])
     count_cudnn("backward")
     return dq, dk, dv, dsinks
 
