@@ -323,6 +323,32 @@ def test_no_host_sync_dense_and_packed():
     assert stats["cudnn_forward"] == 4 and stats["cudnn_backward"] == 4 and not stats["fallback_forward"]
 
 
+@pytest.mark.parametrize("prefix_sums", ["one", "two"])
+@pytest.mark.parametrize("sink_forward", [None, "fold", "engine"])
+def test_no_host_sync_when_rows_are_set_after_the_kernels(prefix_sums, sink_forward, monkeypatch):
+    # A training step's packed calls take the pass after the kernels (tail, or per-token masks with two prefix-sum
+    # tensors); each step brings new prefix-sum tensors, so the per-batch derivations (lengths, masks) run again inside
+    # the sync-checked call rather than being read back from the warm-up's memo.
+    from cudnn_attention import launch, plan
+
+    monkeypatch.setattr(launch, "_PASS_AFTER_MIN_ELEMENTS", 0)
+    if sink_forward is not None:
+        monkeypatch.setattr(plan, "sink_forward", lambda: sink_forward)
+    q_lengths = ODD_LENGTHS if prefix_sums == "one" else [64, 1, 0, 300, 9]
+    q, k, v, s, cu_q, cu_kv, mq, mk = _packed_case(ODD_LENGTHS, sinks=sink_forward is not None, tail=5, q_lengths=q_lengths)
+    fills = record_fills(monkeypatch)
+
+    def step():
+        cu_q_batch = cu_q.clone()
+        cu_kv_batch = cu_q_batch if prefix_sums == "one" else cu_kv.clone()
+        out = cudnn_attention.varlen_attention(q, k, v, cu_q_batch, cu_kv_batch, mq, mk, causal=True, window_size=(32, 0), sinks=s)
+        out.sum().backward()
+
+    warm_and_run(step)
+    assert fills == {"forward": [False, False], "backward": [False, False]}
+    assert cudnn_attention.stats()["cudnn_backward"] == 2
+
+
 def test_cuda_graph_capture_replays_eager_results():
     q, k, v, sinks, cu_q, cu_kv, mq, mk = _packed_case([64, 33, 100], sinks=True)
     static = [t.detach().clone().requires_grad_() for t in (q, k, v, sinks)]
