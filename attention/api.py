@@ -145,8 +145,9 @@ def varlen_attention(
     """Attention over packed documents: (T, H, D) tensors and int32/int64 prefix sums of lengths.
 
     Document b holds tokens ``cu_seqlens[b]:cu_seqlens[b + 1]`` of each side; no token attends
-    outside its document. ``max_seqlen_*`` (Python ints in ``[0, T]`` of their side) bound the
-    longest document. Tokens past ``cu_seqlens[-1]`` (a capacity tail) get a zero output and zero
+    outside its document. ``max_seqlen_*`` (non-negative Python ints) bound the longest document of
+    their side: any upper bound, as in FlashAttention (a static one larger than the batch is used as
+    its token count T). Tokens past ``cu_seqlens[-1]`` (a capacity tail) get a zero output and zero
     gradient. Options as in :func:`attention`, applied per document (``bottom_right`` aligns each
     document's last query with its last key).
 
@@ -184,7 +185,10 @@ def varlen_attention(
     served = None if key is None else memoized(key)
     if served is not None:  # its q/k/v were token-major already (else they would have been copied, and the call not remembered)
         call, resolved = served
-        validation.check_prefix_sums(cu_seqlens_q, cu_seqlens_kv, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_kv, validate=False)
+        # The call holds the maxima as validated: clamped to the token counts.
+        validation.check_prefix_sums(
+            cu_seqlens_q, cu_seqlens_kv, q.shape[0], k.shape[0], call.max_seqlen_q, call.max_seqlen_kv, validate=False
+        )
         lengths = packed_lengths(cu_seqlens_q, cu_seqlens_kv, q.shape[0], k.shape[0])
         out, lse = serve(Prepared(call, q, k, v, sinks, lengths), plan=resolved)
     else:

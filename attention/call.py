@@ -275,7 +275,9 @@ def prepare_packed(
     :func:`~cudnn_attention.layouts.token_major`: cuDNN's packed backward needs it)."""
     given = (q, k, v)
     q, k, v = validation.check_qkv(q, k, v, packed=True)
-    validation.check_cu_seqlens(cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, q.device, total_q=q.shape[0], total_kv=k.shape[0])
+    max_seqlen_q, max_seqlen_kv = validation.check_cu_seqlens(
+        cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, q.device, total_q=q.shape[0], total_kv=k.shape[0]
+    )
     mask = make_mask_spec(causal=causal, bottom_right=bottom_right, window_size=window_size)
     q, scale = validation.positive_scale(q, validation.resolve_scale(scale, q.shape[-1]))
     sinks = validation.check_sinks(sinks, q, q.shape[1])

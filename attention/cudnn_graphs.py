@@ -19,15 +19,13 @@ from typing import NamedTuple
 
 import torch
 
-from . import _compat, launch
+from . import _compat, errata, launch
 from .call import AttentionCall, served_key
 from .layouts import MIN_SEQ_BUCKET, like_layout_strides, packed_bounds, shape_bucket, thd_descriptor_strides
-from .masking import MaskSpec
+from .masking import MaskSpec, sees_at_most_one_key
 from .policy import note_graph_build
 
 __all__ = [
-    "KNOWN_WRONG",
-    "PACKED_D256_BACKWARD_WRONG",
     "CompiledGraph",
     "GraphRejected",
     "GraphSpec",
@@ -37,7 +35,6 @@ __all__ = [
     "frontend_unavailable_reason",
     "get_graph",
     "graph_for",
-    "known_wrong",
     "memoize",
     "memoized",
     "spec_for",
@@ -85,6 +82,10 @@ class GraphSpec(NamedTuple):
     total_q: int = 0  # backward, packed: bucketed token counts that size cuDNN's dQ accumulator
     total_kv: int = 0
     deterministic: bool = False
+    # cuDNN's SDPA implementation family: "auto" (the heuristic's pick, what calls are served with), "composite" or
+    # "unified" (cuDNN 9.2x's unified SDPA engines, the frontend 1.32 bindings' ``implementation=``): the plan
+    # benchmark builds the others to time them (benchmarks/engine_plans.py --implementation).
+    implementation: str = "auto"
 
 
 def spec_for(direction: str, call: AttentionCall, q, k, v, *, deterministic: bool) -> GraphSpec:
@@ -117,7 +118,7 @@ def spec_for(direction: str, call: AttentionCall, q, k, v, *, deterministic: boo
         )
         if backward:
             extra = dict(grad_strides=tuple(like_layout_strides(tuple(t.shape), t) for t in (q, k, v)))
-    return GraphSpec(
+    spec = GraphSpec(
         direction=direction,
         device_index=q.device.index,
         dtype=q.dtype,
@@ -138,6 +139,17 @@ def spec_for(direction: str, call: AttentionCall, q, k, v, *, deterministic: boo
         **strides,
         **extra,
     )
+    return _around_errata(spec)
+
+
+def _around_errata(spec: GraphSpec) -> GraphSpec:
+    """``spec``, or the graph that computes the same and is clean where the loaded cuDNN has a bug in ``spec``'s
+    (:mod:`cudnn_attention.errata`, action ``reroute``): a dense graph with a padding mask whose lengths are all full
+    (the launch passes them, see :func:`cudnn_attention.launch.run_backward`). Refusals are :func:`_build`'s."""
+    erratum = errata.matching(spec, launch.cudnn_version())
+    if erratum is not None and erratum.action == errata.REROUTE:
+        return spec._replace(padded=True)
+    return spec
 
 
 class _UID:
@@ -162,6 +174,8 @@ class CompiledGraph:
         "batch",
         "out_strides",
         "grad_strides",
+        "full_lengths",
+        "one_key_per_row",
     )
 
     def __init__(self, spec: GraphSpec, graph, workspace_size, uids, ragged_columns):
@@ -170,6 +184,9 @@ class CompiledGraph:
         self.batch = spec.batch  # packed: the bucketed document count the offsets are padded to
         self.out_strides = None if spec.packed else spec.o_strides  # dense: O's strides, decided once
         self.grad_strides = None if spec.packed else spec.grad_strides  # dense backward: dQ/dK/dV strides, decided once
+        # Dense graphs with a padding mask: (B, S_q, S_kv), the lengths an unpadded call passes (an erratum's reroute).
+        self.full_lengths = (spec.batch, spec.seq_q, spec.seq_kv) if spec.padded and not spec.packed else None
+        self.one_key_per_row = sees_at_most_one_key(spec.mask, packed=spec.packed, seq_kv=spec.seq_kv)
         self.workspace_size = workspace_size
         self.uids = uids
         # ((side, token_stride), ...): each column is cu_seqlens_<side> * token_stride, in uid order.
@@ -315,36 +332,16 @@ atexit.register(_release_at_exit)
 # ----------------------------------------------------------------------------------------------
 
 
-# What known_wrong holds back, as users read it (the doctor lists them).
-PACKED_D256_BACKWARD_WRONG = "cuDNN's packed backward at D 256 with a different D_v returns wrong gradients (seen with cuDNN 9.19)"
-KNOWN_WRONG = (PACKED_D256_BACKWARD_WRONG,)
-
-
-def known_wrong(spec: GraphSpec) -> str | None:
-    """Why cuDNN would compute ``spec``'s graph wrongly although it builds it, or None.
-
-    Such a graph gets the verdict of a rejection, so its calls take the exact path, counted and warned about
-    once, instead of returning wrong values. Each entry was found by the GPU fuzz (``tests/gpu/test_gpu_fuzz.py``)
-    and is kept for every cuDNN version until a newer one is measured right (the measurements:
-    docs/decisions/0009-known-wrong-cudnn-configurations.md).
-    """
-    if spec.direction == "backward" and spec.packed and spec.dim_qk > 192 and spec.dim_v != spec.dim_qk:
-        # cuDNN 9.19 on an H200: the packed (ragged) backward at D 256 with D_v 80 or 128 returns NaN and garbage
-        # in dQ/dK/dV (13 of 4,000 fuzz cases, every one of them); D_v 32, 64, 160, 192 passed a small sample and
-        # dense graphs all passed, but the same engine serves them, so the whole D 256, D_v != D corner is held back.
-        return PACKED_D256_BACKWARD_WRONG
-    return None
-
-
 def _build(spec: GraphSpec) -> CompiledGraph:
     """Build ``spec``'s graph on a fresh thread (see :func:`_on_a_fresh_stack`) with this thread's
     handle: this thread waits meanwhile, so the handle is never in two threads' hands at once."""
     cudnn = launch.frontend()
     if cudnn is None:
         raise GraphRejected(launch.frontend_unavailable_reason())
-    wrong = known_wrong(spec)
-    if wrong is not None:
-        raise GraphRejected(wrong)
+    erratum = errata.matching(spec, launch.cudnn_version())
+    if erratum is not None and erratum.action == errata.REFUSE:
+        # Before anything is built: one of these crashes the process at plan creation.
+        raise GraphRejected(f"known cuDNN bug ({erratum.key}): {erratum.what}")
     return _on_a_fresh_stack(_construct, cudnn, spec, launch.bound_handle(spec.device_index)[0])
 
 
@@ -469,13 +466,29 @@ def _construct(cudnn, spec: GraphSpec, handle, all_plans: bool = False) -> Compi
         return CompiledGraph(spec, g, g.get_workspace_size(), tuple(uids), tuple(nodes.ragged))
 
 
+def _implementation(cudnn, spec: GraphSpec) -> dict:
+    """The SDPA nodes' ``implementation`` keyword for ``spec``: none for "auto" (every frontend takes that; it is the
+    binding's default), else ``cudnn.attention_implementation.<NAME>``, which a frontend without it rejects at build."""
+    if spec.implementation == "auto":
+        return {}
+    return {"implementation": getattr(cudnn.attention_implementation, spec.implementation.upper())}
+
+
 def _forward_nodes(nodes: _Nodes, q, k, v, mask_args: dict) -> list:
     """The forward node (sinks and the LSE as the spec says); returns the operand uids in call order."""
     spec, cudnn = nodes.spec, nodes.cudnn
     H = spec.heads_q
     sinks = nodes.tensor("sinks", _UID.SINKS, (1, H, 1, 1), (H, 1, 1, 1), data_type=cudnn.data_type.FLOAT) if spec.sinks else None
     o, stats = nodes.graph.sdpa(
-        name="attention", q=q, k=k, v=v, generate_stats=spec.need_lse, attn_scale=spec.scale, sink_token=sinks, **mask_args
+        name="attention",
+        q=q,
+        k=k,
+        v=v,
+        generate_stats=spec.need_lse,
+        attn_scale=spec.scale,
+        sink_token=sinks,
+        **mask_args,
+        **_implementation(cudnn, spec),
     )
     nodes.output(o, _UID.OUT, nodes.o_dims, spec.o_strides)
     nodes.set_ragged(o, "q", spec.o_strides[2])
@@ -512,6 +525,7 @@ def _backward_nodes(nodes: _Nodes, q, k, v, mask_args: dict) -> list:
         use_deterministic_algorithm=spec.deterministic,
         **mask_args,
         **extra,
+        **_implementation(cudnn, spec),
     )
     dq_strides, dk_strides, dv_strides = spec.grad_strides
     for grad, uid, dims, strides, side in (

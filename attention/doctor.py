@@ -9,9 +9,9 @@ check passes when cuDNN served both directions and every tensor is within the ru
 check, never reset.
 
 Exit status 0 only when every check passed: without a CUDA GPU nothing of cuDNN can be checked, so that is 1 too,
-with one line saying so. The report also lists what is known to be wrong with the detected cuDNN version
-(:data:`KNOWN_ISSUES`) and what the package holds back from cuDNN on every version
-(:data:`cudnn_attention.cudnn_graphs.KNOWN_WRONG`).
+with one line saying so. The report also lists what is known to be wrong with the detected cuDNN version and what this
+package does about each (:mod:`cudnn_attention.errata`), and which of those a newer cuDNN fixes, with the command
+that installs it.
 
 This module is framework-free; ``--model`` (one forward and backward of a transformers model against eager) lives in
 :mod:`cudnn_attention.integrations.hf.doctor_model` and reaches the report as extra checks.
@@ -30,22 +30,20 @@ from typing import NamedTuple, TextIO
 
 import torch
 
-from . import environment
+from . import environment, errata
 from .api import attention, varlen_attention
-from .cudnn_graphs import KNOWN_WRONG
 from .masking import make_mask_spec
 from .policy import CudnnAttentionFallbackWarning, stats, strict
 from .reference import dense_reference, varlen_reference
 
 __all__ = [
-    "KNOWN_ISSUES",
     "NO_GPU",
     "Check",
-    "KnownIssue",
     "Report",
     "build_report",
     "known_issues",
     "main",
+    "newer_cudnn_advice",
     "one_line",
     "path_taken",
     "quiet_fallbacks",
@@ -57,42 +55,31 @@ __all__ = [
 NO_GPU = "no CUDA GPU: cuDNN paths cannot be checked"
 
 
-class KnownIssue(NamedTuple):
-    """A problem of the cuDNN versions in ``[first, before)`` (``cudnn.backend_version()`` numbers, 91900 is 9.19.0;
-    None leaves a side open), with what it means for this package."""
-
-    first: int | None
-    before: int | None
-    text: str
-
-
-KNOWN_ISSUES = (
-    KnownIssue(
-        None,
-        92600,
-        "cuDNN before 9.26 gives a wrong dSink, or reads the softmax statistics out of bounds, in the packed backward with "
-        "learnable sinks (https://github.com/NVIDIA/TransformerEngine/issues/3249, fixed around "
-        "https://github.com/NVIDIA/TransformerEngine/pull/3470). This package's backward graph never holds the sinks (dSink "
-        "comes from an identity), so it should not meet it; the 'packed window sinks' check runs that path.",
-    ),
-    KnownIssue(
-        91900,
-        92000,
-        "cuDNN 9.19's sink-less forward writes wrong values when asked for a float32 output, and its fast forward engine "
-        "does not build a packed graph with sinks; this package uses neither (sinks are folded in after a bfloat16 "
-        "output for packed calls).",
-    ),
-)
-
-
 def known_issues(cudnn_version: int | None) -> list[str]:
-    """What :data:`KNOWN_ISSUES` says about this cuDNN version (``cudnn.backend_version()``; None: unknown, every entry)."""
-    return [
-        issue.text
-        for issue in KNOWN_ISSUES
-        if cudnn_version is None
-        or ((issue.first is None or cudnn_version >= issue.first) and (issue.before is None or cudnn_version < issue.before))
+    """The :data:`cudnn_attention.errata.ERRATA` entries of this cuDNN version (``cudnn.backend_version()``; None:
+    unknown, every entry), one paragraph each: what, which versions, who saw it, and what this package does."""
+    return [f"{erratum.key}: {erratum.line()}" for erratum in errata.applying(cudnn_version)]
+
+
+def newer_cudnn_advice(cudnn_version: int | None, torch_cuda: str | None) -> list[str]:
+    """Lines naming the errata of this cuDNN version that a newer cuDNN fixes, and the command that installs it for this
+    torch's CUDA (empty when none is fixed, or the version is unknown). This package works around each of them on the
+    loaded version; upgrading removes the workaround's cost, not a wrong result."""
+    if cudnn_version is None:
+        return []
+    fixed = [e for e in errata.applying(cudnn_version) if e.fixed is not None and e.affects is not None]
+    if not fixed:
+        return []
+    newest = max(e.fixed for e in fixed)
+    cuda_major = (torch_cuda or "13").split(".")[0]
+    lines = [f"fixed in cuDNN {errata.version_text(e.fixed)} (upstream; worked around here): {e.key}" for e in fixed]
+    lines += [
+        f"to load a newer cuDNN with this torch: pip install -U 'nvidia-cudnn-cu{cuda_major}>={errata.version_text(newest)}'",
+        "  pip will answer that torch requires the nvidia-cudnn version it pins ('... which is incompatible'); torch and the "
+        "frontend both load the upgraded library. Run this doctor again: its version line and the checks tell whether "
+        "it works here.",
     ]
+    return lines
 
 
 def within_lowp_noise(got: torch.Tensor, ref: torch.Tensor, lowp: torch.Tensor) -> tuple[float, float]:
@@ -311,11 +298,6 @@ def run_self_checks(*, device: str | torch.device = "cuda") -> list[Check]:
 # ----------------------------------------------------------------------------------------------
 
 
-def _cudnn_version_text(version: int | None) -> str | None:
-    """``91900`` -> ``"9.19.0"`` (cuDNN 9 numbers its versions major * 10000 + minor * 100 + patch)."""
-    return None if version is None else f"{version // 10000}.{version % 10000 // 100}.{version % 100}"
-
-
 @dataclasses.dataclass
 class Report:
     """What the doctor found: versions, checks (the self-checks, then any extra ones), known issues, notes."""
@@ -323,7 +305,7 @@ class Report:
     versions: dict
     checks: list
     known_issues: list
-    held_back: list
+    newer_cudnn: list
     notes: list
 
     @property
@@ -336,7 +318,7 @@ class Report:
             "versions": self.versions,
             "checks": [dataclasses.asdict(check) | {"passed": check.passed} for check in self.checks],
             "known_issues": self.known_issues,
-            "held_back_on_every_version": self.held_back,
+            "newer_cudnn": self.newer_cudnn,
             "notes": self.notes,
             "exit_status": self.exit_status,
         }
@@ -349,11 +331,11 @@ class Report:
             lines += ["", "checks (bfloat16, forward and backward, against the exact path in float64):"]
             name_width = max(len(check.name) for check in self.checks)
             lines += [f"  {check.status.upper():<8}  {check.name:<{name_width}}  {check.summary()}" for check in self.checks]
-        cudnn = _cudnn_version_text(self.versions.get("cudnn_backend"))
+        cudnn = errata.version_text(self.versions.get("cudnn_backend"))
         lines += ["", f"known issues of cuDNN {cudnn}:" if cudnn else "known issues (cuDNN version unknown: all of them):"]
         lines += [f"  - {text}" for text in self.known_issues] or ["  none recorded"]
-        lines += ["", "held back from cuDNN on every version (served by the exact path):"]
-        lines += [f"  - {text}" for text in self.held_back]
+        if self.newer_cudnn:
+            lines += ["", "a newer cuDNN:"] + [f"  {text}" for text in self.newer_cudnn]
         if self.notes:
             lines += [""] + self.notes
         passed = sum(check.passed for check in self.checks)
@@ -383,7 +365,8 @@ def build_report(
         checks = run_self_checks(device=device)
         if extra_checks is not None:
             checks += list(extra_checks(device))
-    return Report(found, checks, known_issues(found.get("cudnn_backend")), list(KNOWN_WRONG), notes)
+    cudnn = found.get("cudnn_backend")
+    return Report(found, checks, known_issues(cudnn), newer_cudnn_advice(cudnn, found.get("cuda")), notes)
 
 
 def main(

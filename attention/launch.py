@@ -28,6 +28,7 @@ __all__ = [
     "aligned",
     "bound_handle",
     "clear_workspaces",
+    "cudnn_version",
     "execute",
     "frontend",
     "frontend_unavailable_reason",
@@ -65,6 +66,23 @@ def frontend_unavailable_reason() -> str | None:
     """``None`` when ``import cudnn`` works, else why not (cached after the first try)."""
     frontend()
     return _frontend_error
+
+
+_cudnn_version: list = []
+
+
+def cudnn_version() -> int | None:
+    """The version of the cuDNN library the frontend loaded (``cudnn.backend_version()``, 91900 is 9.19.0), which runs
+    the graphs (torch may have loaded another); None without a frontend or a library. Read once."""
+    if not _cudnn_version:
+        version = None
+        if frontend() is not None:
+            try:
+                version = int(_frontend.backend_version())
+            except Exception:  # noqa: BLE001 - no loadable libcudnn: no graph is built either
+                version = None
+        _cudnn_version.append(version)
+    return _cudnn_version[0]
 
 
 _thread_state = threading.local()
@@ -151,14 +169,15 @@ def aligned(t: torch.Tensor, name: str) -> torch.Tensor:
     return t
 
 
-def _length_operands(graph, lengths: Lengths) -> list:
+def _length_operands(graph, lengths: Lengths, device: torch.device) -> list:
     """Per-batch lengths and ragged offsets, computed on the device (no host reads). Packed: about
     ten small kernels, so they are kept on ``cu_seqlens_q`` (see :mod:`~cudnn_attention.tensor_memo`):
-    every layer of a forward and every backward of the same batch reuses them."""
+    every layer of a forward and every backward of the same batch reuses them. An unpadded dense call whose graph has a
+    padding mask (an erratum's reroute) passes full lengths."""
     cu_seqlens_q, cu_seqlens_kv = lengths.cu_seqlens_q, lengths.cu_seqlens_kv
     if cu_seqlens_q is None:
         if lengths.seqlens_q is None:
-            return []
+            return [] if graph.full_lengths is None else _full_lengths(graph.full_lengths, device)
         return [aligned(lengths.seqlens_q, "seqlens_q"), aligned(lengths.seqlens_kv, "seqlens_kv")]
     return _memoized(
         cu_seqlens_q,
@@ -166,6 +185,23 @@ def _length_operands(graph, lengths: Lengths) -> list:
         ("ragged operands", graph.batch, graph.ragged_columns),
         lambda: _ragged_operands(graph, cu_seqlens_q, cu_seqlens_kv),
     )
+
+
+# (device, B, S_q, S_kv) -> [lengths_q, lengths_kv]: every length full, for an unpadded call whose graph has a padding
+# mask (an erratum's reroute, see cudnn_graphs._around_errata). Made once, outside any CUDA graph capture.
+_full_length_operands: dict = {}
+
+
+def _full_lengths(shape: tuple, device: torch.device) -> list:
+    key = (device, *shape)
+    operands = _full_length_operands.get(key)
+    if operands is None:
+        B, S_q, S_kv = shape
+        operands = [torch.full((B,), S_q, dtype=torch.int32, device=device), torch.full((B,), S_kv, dtype=torch.int32, device=device)]
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return operands  # from the capture's pool: not to be kept past it
+        _full_length_operands[key] = operands
+    return operands
 
 
 def _memoized(cu_seqlens_q, cu_seqlens_kv, key: tuple, compute):
@@ -280,7 +316,7 @@ def run_forward(plan, q, k, v, sinks, lengths: Lengths, need_lse: bool):
         operands.append(lse)
     if sinks is not None and not folds:
         operands.append(aligned(sinks, "sinks"))
-    operands += _length_operands(graph, lengths)
+    operands += _length_operands(graph, lengths, q.device)
     execute(graph, operands, q.device.index)
     invalid_B1S1 = _padding_rows(seqlens_q, q.shape[2]) if padded else None
     if folds:
@@ -313,7 +349,7 @@ def run_backward(graph, grad_out, q, k, v, out, lse, sinks, lengths: Lengths, gr
     packed = lengths.cu_seqlens_q is not None
     set_after = _rows_set_after(q, lengths)
     zero_tails = not (lengths.covers_every_token or set_after)
-    length_operands = _length_operands(graph, lengths)
+    length_operands = _length_operands(graph, lengths, q.device)
     dq = dk = dv = dsinks = None
     if grad_out is not None:
         if invalid_B1S1 is not None:
@@ -325,6 +361,11 @@ def run_backward(graph, grad_out, q, k, v, out, lse, sinks, lengths: Lengths, gr
             q, k, v, packed=packed, padded=invalid_B1S1 is not None, grad_strides=graph.grad_strides, zero_tails=zero_tails
         )
         execute(graph, [q, k, v, out, grad_out, lse, dq, dk, dv, *length_operands], q.device.index)
+        if sinks is None and graph.one_key_per_row:
+            # Exact math gives zero (every probability is 1, dP - D = dO . (v - O) = 0); the kernel's dP and D are two float32
+            # sums in different orders, whose difference (about 1e-4 of dK on an H200) is rounding, not gradient.
+            dq.zero_()
+            dk.zero_()
         if sinks is not None:
             dsinks = sink_gradient(grad_out, out, lse, sinks)
     if grad_lse is not None:

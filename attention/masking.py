@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["MaskSpec", "effective_lengths", "is_int_window", "make_mask_spec", "visible_keys"]
+__all__ = ["MaskSpec", "effective_lengths", "is_int_window", "make_mask_spec", "sees_at_most_one_key", "visible_keys"]
 
 
 class MaskSpec(NamedTuple):
@@ -77,6 +77,13 @@ def _mask_spec(causal: bool, bottom_right: bool, window_size) -> MaskSpec:
 
 
 _memoized_mask_spec = functools.lru_cache(maxsize=256)(_mask_spec)
+
+
+def sees_at_most_one_key(mask: MaskSpec, *, packed: bool, seq_kv: int) -> bool:
+    """Whether no query row can see more than one key, from the shapes and the mask alone: a dense call with one key,
+    or the band ``(0, 0)`` (each row its diagonal key). Without sinks such a row's softmax is the constant 1, so the
+    output's gradient reaches neither its scores nor q and k: dQ and dK are exactly zero."""
+    return (mask.left == 0 and mask.right == 0) or (not packed and seq_kv == 1)
 
 
 def effective_lengths(len_q: torch.Tensor, len_kv: torch.Tensor, s_q: int, s_kv: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -154,15 +154,17 @@ def check_cu_seqlens(
     total_q: int,
     total_kv: int,
     names: tuple[str, str, str, str] = ("cu_seqlens_q", "cu_seqlens_kv", "max_seqlen_q", "max_seqlen_kv"),
-) -> None:
-    """Prefix sums: 1-D int32/int64 tensors of equal length B + 1 >= 2 on ``device``; maxima Python ints in
-    ``[0, T]`` of their side (0 when every document of that side is empty). All of it is host metadata, so it
-    is checked on every device, with the argument named as the caller calls it (``names``: the two prefix
-    sums, then the two maxima).
+) -> tuple[int, int]:
+    """Prefix sums: 1-D int32/int64 tensors of equal length B + 1 >= 2 on ``device``; maxima non-negative Python ints
+    (0 when every document of that side is empty). All of it is host metadata, so it is checked on every device, with
+    the argument named as the caller calls it (``names``: the two prefix sums, then the two maxima).
 
-    A maximum above T cannot bound a real document (none is longer than all the tokens), and it is not
-    harmless: the device-side check compares it in the prefix sums' int32 (2**40 wraps to 0, a false alarm
-    that stops the process), and the exact path allocates memory in proportion to it."""
+    Returns the maxima clamped to their side's token count T, which every call uses from here on (the graphs are keyed
+    by it). A maximum is an upper bound, as in FlashAttention: a static ``max_seqlen=4096`` for a 20-token batch (CUDA
+    graphs and ``torch.compile`` users pass one) means the same as 20, since no document is longer than all the tokens.
+    Unclamped, it would not be harmless: the device-side check compares it in the prefix sums' int32 (2**40 wraps to
+    0, a false alarm that stops the process), and the exact path allocates memory in proportion to it. A maximum below
+    the longest document is an error the prefix-sum check reports (:func:`check_prefix_sums`)."""
     for name, cu in zip(names[:2], (cu_seqlens_q, cu_seqlens_kv)):
         _require_tensor(cu, name)
         if cu.dtype not in _INDEX_DTYPES:
@@ -179,8 +181,7 @@ def check_cu_seqlens(
             raise TypeError(f"{name} must be a Python int, got {value!r} ({type(value).__name__})")
         if value < 0:
             raise ValueError(f"{name} must be >= 0, got {value}")
-        if value > total:
-            raise ValueError(f"{name} = {value} exceeds the {total} packed tokens: no document is longer than all of them")
+    return min(max_seqlen_q, total_q), min(max_seqlen_kv, total_kv)
 
 
 def check_prefix_sums(

@@ -3,6 +3,7 @@
     python3 benchmarks/engine_plans.py                                   # the default shapes below
     python3 benchmarks/engine_plans.py --shape 8192,1,64,8,128           # dense S,B,H,H_kv,D (repeatable)
     python3 benchmarks/engine_plans.py --packed "gpt-oss 8 x 2048"       # the packed cases whose name holds this text
+    python3 benchmarks/engine_plans.py --implementation auto --implementation unified --implementation composite
 
 Each shape runs one causal forward and backward through cudnn_attention itself while every launch's graph and
 operands are recorded; each recorded graph is then built again with every plan heuristics A and B and the fallback
@@ -46,16 +47,27 @@ def recorded_launches():
         launch.execute = execute
 
 
-def time_every_plan(graph, operands: list, title: str, flops: float) -> None:
-    """Time each plan of ``graph.spec`` (rebuilt with every plan) on ``operands``, and the served plan as served."""
-    every = cudnn_graphs.every_plan(graph.spec)
-    g, handle = every.graph, launch.bound_handle(graph.spec.device_index)[0]
-    n = g.get_execution_plan_count()
-    ws = torch.empty(max([g.get_workspace_size_plan_at_index(i) for i in range(n)] + [1]), device="cuda", dtype=torch.uint8)
-    print(f"{title}: {n} plans; cudnn_attention serves {graph.plan_name}")
+def time_every_plan(graph, operands: list, title: str, flops: float, implementations=("auto",)) -> None:
+    """Time each plan of ``graph.spec`` (rebuilt with every plan, once per SDPA ``implementation``) on ``operands``, and
+    the served plan as served."""
+    print(f"{title}: cudnn_attention serves {graph.plan_name} (implementation {graph.spec.implementation})")
     device_index = graph.spec.device_index
     served = cuda_time_ms(lambda: launch.execute(graph, operands, device_index), warmup=3, samples=5, calls_per_sample=10)
     print(f"  served:  {graph.plan_name:30s} {served:.3f} ms  {flops / served / 1e9:.0f} TF/s  (launch.execute, the project's path)")
+    for implementation in implementations:
+        try:
+            every = cudnn_graphs.every_plan(graph.spec._replace(implementation=implementation))
+        except Exception as exc:  # noqa: BLE001 - an implementation this cuDNN or frontend lacks says so
+            print(f"  implementation {implementation}: not built: {str(exc).splitlines()[0][:160]}")
+            continue
+        _time_plans(every, graph, operands, flops, served, implementation)
+
+
+def _time_plans(every, graph, operands: list, flops: float, served: float, implementation: str) -> None:
+    g, handle = every.graph, launch.bound_handle(graph.spec.device_index)[0]
+    n = g.get_execution_plan_count()
+    ws = torch.empty(max([g.get_workspace_size_plan_at_index(i) for i in range(n)] + [1]), device="cuda", dtype=torch.uint8)
+    print(f"  implementation {implementation}: {n} plans")
     for i in range(n):
         name = g.get_plan_name_at_index(i)
         try:
@@ -64,13 +76,13 @@ def time_every_plan(graph, operands: list, title: str, flops: float) -> None:
                 g.execute_plan_at_index(operands, ws, i, handle=handle, tensor_uids=every.uids)
 
             t = cuda_time_ms(run, warmup=3, samples=5, calls_per_sample=10)
-            mark = "  <- served" if name == graph.plan_name else ""
+            mark = "  <- served" if name == graph.plan_name and implementation == graph.spec.implementation else ""
             print(f"  plan {i}: {name:30s} {t:.3f} ms  {flops / t / 1e9:.0f} TF/s  ({served / t:.3f}x the served){mark}")
         except Exception as exc:  # noqa: BLE001 - a plan that does not run says so, the others are still timed
             print(f"  plan {i}: {name:30s} failed: {str(exc)[:80]}")
 
 
-def bench(case: Case) -> None:
+def bench(case: Case, implementations=("auto",)) -> None:
     """Record one forward and backward of ``case`` through cudnn_attention, then time every plan of each graph."""
     q, k, v, sinks, cu = make_inputs(case)
     inputs = [t for t in (q, k, v, sinks) if t is not None]
@@ -97,7 +109,7 @@ def bench(case: Case) -> None:
             continue
         seen.add(graph.spec)
         flops = forward_flops if graph.spec.direction == "forward" else backward_flops
-        time_every_plan(graph, operands, f"{graph.spec.direction} {case.name}", flops)
+        time_every_plan(graph, operands, f"{graph.spec.direction} {case.name}", flops, implementations)
 
 
 DEFAULT_SHAPES = [
@@ -118,6 +130,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", action="append", default=[], help="dense S,B,H,H_kv,D (repeatable)")
     parser.add_argument("--packed", action="append", default=[], help="packed cases of attention_kernels.py whose name holds this text")
+    parser.add_argument(
+        "--implementation",
+        action="append",
+        choices=("auto", "composite", "unified"),
+        help="cuDNN's SDPA implementation families to build every plan of (repeatable; default auto): cuDNN 9.28's unified "
+        "Hopper backward is unified",
+    )
     args = parser.parse_args()
     shapes = []
     for text in args.shape:
@@ -135,7 +154,7 @@ def main() -> None:
         f"torch {torch.__version__}, {torch.cuda.get_device_name()}"
     )
     for case in cases:
-        bench(case)
+        bench(case, tuple(args.implementation or ("auto",)))
 
 
 if __name__ == "__main__":

@@ -32,6 +32,8 @@ class _StandInGraph:
         self.out_strides = (128 * 64, 128 * 64, 64, 1)
         self.grad_strides = (self.out_strides,) * 3
         self.workspace_size = 0
+        self.full_lengths = None
+        self.one_key_per_row = False
 
 
 def _launch_stand_in(graph, operands, device_index) -> None:

@@ -289,11 +289,12 @@ def _user_packing(kwargs, tokens_q: int, tokens_k: int, device):
 
     The four come together: with some missing, which document each token belongs to would be a guess (flash
     silently ignores them all, and documents then attend to each other unless position_ids say otherwise).
-    Their shapes, dtypes, device and the maxima (in [0, tokens]) are checked on the host like the core's,
-    named as transformers names them. In a transformers batch every token is real, so the prefix sums must
-    cover all of them (one past ``cu[-1]`` would get a zero output), and ``max_length`` must bound every
-    document (a longer one would be cut short): the core's check, CPU on the host with a ValueError naming
-    the argument, CUDA on the device without a sync."""
+    Their shapes, dtypes, device and the maxima (non-negative upper bounds; one above the token count is used as
+    the token count) are checked on the host like the core's, named as transformers names them. In a
+    transformers batch every token is real, so the prefix sums must cover all of them (one past ``cu[-1]``
+    would get a zero output), and ``max_length`` must bound every document (a longer one would be cut
+    short): the core's check, CPU on the host with a ValueError naming the argument, CUDA on the device
+    without a sync."""
     cu_q, cu_k, max_q, max_k = (kwargs.get(name) for name in _FLASH_KWARGS)
     if cu_q is None and cu_k is None and max_q is None and max_k is None:
         return None
@@ -304,7 +305,7 @@ def _user_packing(kwargs, tokens_q: int, tokens_k: int, device):
             f"return_flash_attn_kwargs=True) gives all four), got them without {missing}"
         )
     max_q, max_k = int(max_q), int(max_k)
-    validation.check_cu_seqlens(cu_q, cu_k, max_q, max_k, device, total_q=tokens_q, total_kv=tokens_k, names=_FLASH_KWARGS)
+    max_q, max_k = validation.check_cu_seqlens(cu_q, cu_k, max_q, max_k, device, total_q=tokens_q, total_kv=tokens_k, names=_FLASH_KWARGS)
     validation.check_prefix_sums(cu_q, cu_k, tokens_q, tokens_k, max_q, max_k, validate=False, cover_all=True, names=_FLASH_KWARGS)
     return cu_q, cu_k, max_q, max_k
 

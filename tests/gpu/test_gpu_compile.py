@@ -1,5 +1,5 @@
 """torch.compile(fullgraph=True) on the GPU without stand-ins: the exact path (float32 CUDA inputs), a backward cuDNN
-is refused for (``cudnn_graphs.known_wrong``: computed inside the op), and strict mode, each against the eager call."""
+is refused for (``cudnn_attention.errata``: computed inside the op), and strict mode, each against the eager call."""
 
 import itertools
 
@@ -42,7 +42,7 @@ def test_float32_on_the_gpu_compiles_and_counts_each_call():
 
 
 def test_a_refused_backward_under_compile_is_computed_exactly_inside_the_op():
-    # Packed D 256 with D_v 128: cuDNN serves the forward; its backward is known wrong (cudnn_graphs.known_wrong).
+    # Packed D 256 with D_v 128: cuDNN serves the forward; its backward is known wrong (errata: packed-d256-other-dv-backward).
     torch._dynamo.reset()
     torch.manual_seed(0)
     lengths = [100, 1, 300, 57]

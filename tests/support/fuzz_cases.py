@@ -10,16 +10,26 @@ one forward and one backward graph rather than one per case.
 Profiles: ``"gpu"`` (float16/bfloat16, D 32..256, S up to 300, T up to 1000, and a quarter of the families
 step-sized: S up to 2048, T up to 3000, documents up to 2047 tokens, up to 64 heads) and ``"cpu"`` (float32,
 small shapes, served by the exact fallback).
+
+Adversarial families (a quarter on the GPU, drawn from a stream of their own so the other families are what they were):
+query rows anti-aligned with every key (all of them, a quarter, or one; every score of such a row near -100 or -130 plus
+``log S_kv``, so its log-sum-exp is below -88.7 or -120; see ``support.adversarial``), or scales far from the usual
+(1e-4 to 50); dense key lengths from every class of S mod 128 (64 among them: 64, 192, 576, 1088) and single-query rows
+against long keys. The check is the same: no NaN or Inf where the float64 reference has none, and every tensor within
+the rule.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 import random
 import time
 import traceback
 
 import torch
+
+from support.adversarial import anti_align
 
 __all__ = ["FAMILY", "case_label", "draw_case", "run_case"]
 
@@ -50,6 +60,9 @@ PROFILES = {
         # The float64 reference holds a few (H, Q, K) score tensors per worker: heads are halved until
         # heads x rows x keys fits this many elements (about 0.6 GB each in float64).
         large_scores=80_000_000,
+        adversarial=0.25,
+        adversarial_seq_kv=[64, 192, 320, 576, 1088, 128, 256, 512, 1024, 200, 1000],
+        adversarial_seq_q=[1, 1, 7, 64, 192],
     ),
     "cpu": dict(
         dtypes=["float32"],
@@ -63,6 +76,9 @@ PROFILES = {
         windows=[0, 1, 3, 7],
         max_heads=8,
         large=0.0,
+        adversarial=0.25,
+        adversarial_seq_kv=[16, 23, 64, 192],
+        adversarial_seq_q=[1, 1, 5, 16],
     ),
 }
 
@@ -145,12 +161,33 @@ def _draw_family(seed: int, family: int, profile: str) -> dict:
         # A bound beyond the token count is refused (no document can be that long); clamped after the draws, so each
         # seed draws the same families as before.
         fam["bound_q"], fam["bound_kv"] = min(fam["bound_q"], fam["t_q"]), min(fam["bound_kv"], fam["t_kv"])
+    _draw_adversarial(fam, seed, family, p)
     if large:
         rows, keys = (fam["b"] * fam["s_q"], fam["s_kv"]) if kind != "packed" else (fam["t_q"], fam["t_kv"])
         while fam["h_q"] > 1 and fam["h_q"] * rows * keys > p["large_scores"]:
             fam["h_kv"] = max(1, fam["h_kv"] // 2)  # powers of two: halving both keeps the group size, MQA keeps 1
             fam["h_q"] //= 2
     return fam
+
+
+def _draw_adversarial(fam: dict, seed: int, family: int, p: dict) -> None:
+    """Make a fraction of the families adversarial (``fam["adversarial"]``), from a random stream of their own: anti-aligned
+    query rows, or an extreme scale; dense ones get key lengths of every class of S mod 128 and single-query rows."""
+    r = _rng("adversarial", seed, family, fam["profile"])
+    if r.random() >= p["adversarial"]:
+        fam["adversarial"] = None
+        return
+    kind = r.choices(["anti_aligned", "large_scale", "small_scale"], weights=[6, 1, 1])[0]
+    if kind == "anti_aligned":
+        fam["adversarial"] = {"kind": kind, "target": r.choice([100.0, 130.0]), "rows": r.choice(["all", "some", "one"])}
+        if fam["scale"] == 0:
+            fam["scale"] = None  # a zero scale makes every score 0: nothing to anti-align
+    else:
+        fam["adversarial"] = {"kind": kind}
+        fam["scale"] = r.choice([8.0, 30.0, 50.0] if kind == "large_scale" else [1e-4, 1e-3, 1e-2])
+    if fam["kind"] != "packed":
+        fam["s_kv"] = r.choice(p["adversarial_seq_kv"])
+        fam["s_q"] = fam["s_kv"] if fam["layout"] == "qkv_interleaved" or r.random() < 0.5 else r.choice(p["adversarial_seq_q"])
 
 
 def _doc_lengths(r: random.Random, docs: int, bound: int, total: int) -> list[int]:
@@ -284,6 +321,19 @@ def build_call(case: dict, device: str):
             else torch.tensor([0, *itertools.accumulate(case["lengths_kv"])], dtype=cu_dtype, device=device)
         )
         (q, k, v), buf = _packed_inputs(case, dtype, device, case["t_q"], case["t_kv"])
+    if (case.get("adversarial") or {}).get("kind") == "anti_aligned":
+        scale = case["scale"] if case["scale"] is not None else case["d"] ** -0.5
+        keys = case["s_kv"] if case["kind"] != "packed" else max(max(case["lengths_kv"], default=1), 1)
+        generator = torch.Generator().manual_seed(case["data_seed"])
+        anti_align(
+            q,
+            k,
+            scale=scale,
+            target=case["adversarial"]["target"] + math.log(keys),
+            rows=case["adversarial"]["rows"],
+            generator=generator,
+            packed=case["kind"] == "packed",
+        )
     if case["sinks"] is not None:
         sink_dtype = torch.float32 if case["sinks"] == "float32" else dtype
         kwargs["sinks"] = (2 * _randn((case["h_q"],), torch.float32, device)).to(sink_dtype).requires_grad_(case["grads"])

@@ -591,24 +591,34 @@ def _(dev):
     return expect_reference("varlen", packed(dev, lengths=(0,), D=D, grad=True), dict(causal=True))
 
 
-@case("empty_packed_T0_max1")
+@case("empty_packed_T0_max1", devices=("cpu", "cuda"))
 def _(dev):
-    # A bound above the token count (here none) cannot bound a real document: refused on the host.
-    q, k, v, cu_q, cu_kv, _, _ = packed(dev, lengths=(0,), grad=True)
-    return expect_error(VE, r"max_seqlen_q = 1 exceeds the 0 packed tokens", lambda: VA(q, k, v, cu_q, cu_kv, 1, 1))
+    # max_seqlen is an upper bound (FlashAttention's meaning): above the token count, here none, it is the token count.
+    D = 8 if dev == "cpu" else 64
+    q, k, v, cu_q, cu_kv, _, _ = packed(dev, lengths=(0,), D=D, grad=True)
+    return expect_reference("varlen", (q, k, v, cu_q, cu_kv, 1, 1), dict(causal=True))
 
 
 @case("max_seqlen_past_T", devices=("cpu", "cuda"))
 def _(dev):
-    return expect_error(VE, r"max_seqlen_kv = 7 exceeds the 6 packed tokens", lambda: VA(**_packed_with(dev, max_seqlen_kv=7)))
+    # A static bound larger than the batch (CUDA-graph and compile users pass one): the token count is used.
+    D = 8 if dev == "cpu" else 64
+    q, k, v, cu_q, cu_kv, max_q, _ = packed(dev, D=D, grad=True)
+    return expect_reference("varlen", (q, k, v, cu_q, cu_kv, max_q, 7), dict(causal=True))
 
 
 @case("max_seqlen_2_pow_40", devices=("cpu", "cuda"))
 def _(dev):
-    # Once a device-side assertion on CUDA (the check's int32 comparison wrapped 2**40 to 0) and an 8 TiB allocation on CPU.
-    return expect_error(
-        VE, r"max_seqlen_q = 1099511627776 exceeds the 6 packed tokens", lambda: VA(**_packed_with(dev, max_seqlen_q=2**40))
-    )
+    # Once a device-side assertion on CUDA (the check's int32 comparison wrapped 2**40 to 0) and an 8 TiB allocation on CPU;
+    # clamped to the token count before anything else reads it.
+    D = 8 if dev == "cpu" else 64
+    q, k, v, cu_q, cu_kv, _, max_kv = packed(dev, D=D, grad=True)
+    return expect_reference("varlen", (q, k, v, cu_q, cu_kv, 2**40, max_kv), dict(causal=True))
+
+
+@case("max_seqlen_negative", devices=("cpu", "cuda"))
+def _(dev):
+    return expect_error(VE, r"max_seqlen_q must be >= 0, got -1", lambda: VA(**_packed_with(dev, max_seqlen_q=-1)))
 
 
 @case("doc_with_queries_but_no_keys", devices=("cpu", "cuda"))

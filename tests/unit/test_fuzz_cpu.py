@@ -12,7 +12,7 @@ from collections import Counter
 
 import pytest
 
-from support.fuzz_cases import DENSE_LAYOUTS, PACKED_LAYOUTS, case_label, draw_case, run_case, summarize
+from support.fuzz_cases import DENSE_LAYOUTS, PACKED_LAYOUTS, PROFILES, case_label, draw_case, run_case, summarize
 from support.fuzz_runner import run_fuzz
 
 REPRO = "python tests/support/fuzz_worker.py --seed {seed} --start {index} --count 1 --out - --device cpu --profile cpu"
@@ -65,3 +65,45 @@ def test_worker_processes_report_every_case_and_a_dying_one(tmp_path, monkeypatc
     assert "worker died" in records[5]["exception"] and configs[5]["index"] == 5
     report = summarize(records, configs, seed=SEED, requested=12, repro="rerun {seed} {index}")
     assert "12 of 12 cases run, 1 failed" in report and "rerun 7 5" in report
+
+
+def test_generator_draws_adversarial_rows_and_every_key_length_class():
+    cases = [draw_case(20250611, i, "gpu") for i in range(4000)]
+    adversarial = [c for c in cases if c["adversarial"]]
+    assert 800 <= len(adversarial) <= 1200
+    anti = [c for c in adversarial if c["adversarial"]["kind"] == "anti_aligned"]
+    assert {c["adversarial"]["rows"] for c in anti} == {"all", "some", "one"} and {c["adversarial"]["target"] for c in anti} == {
+        100.0,
+        130.0,
+    }
+    assert {c["scale"] for c in adversarial if c["adversarial"]["kind"] != "anti_aligned"} >= {1e-4, 50.0}
+    dense = [c for c in anti if c["kind"] != "packed"]
+    assert {c["s_kv"] % 128 for c in dense} >= {0, 64, 72}  # multiples, 64 mod 128 (the erratum), others
+    assert sum(c["s_kv"] % 128 == 64 and c["mask"] == "none" for c in dense) >= 20
+    assert sum(c["s_q"] == 1 and c["s_kv"] >= 576 for c in dense) >= 10
+    # A non-adversarial family is drawn as before the adversarial draw existed (its own random stream).
+    plain = next(c for c in cases if not c["adversarial"] and c["kind"] == "dense")
+    assert plain["s_q"] in PROFILES["gpu"]["seq"] and plain["s_kv"] in PROFILES["gpu"]["seq"]
+
+
+def test_anti_aligned_rows_have_a_log_sum_exp_below_the_float32_overflow_threshold():
+    import torch
+
+    import cudnn_attention
+    from support.fuzz_cases import build_call
+
+    case = next(
+        c
+        for c in (draw_case(7, i, "cpu") for i in range(400))
+        if c["adversarial"]
+        and c["adversarial"]["kind"] == "anti_aligned"
+        and c["adversarial"]["rows"] == "all"
+        and not c["sinks"]
+        and (c["scale"] is None or c["scale"] > 0)  # a negative scale turns anti-aligned rows into aligned ones (scores near +130)
+    )
+    _, args, kwargs = build_call(case, "cpu")
+    _, lse = (cudnn_attention.attention if case["kind"] != "packed" else cudnn_attention.varlen_attention)(
+        *args, **{**kwargs, "return_lse": True}
+    )
+    finite = lse[torch.isfinite(lse)]
+    assert finite.numel() and finite.max() < -88.7, (case, finite.max())

@@ -132,21 +132,7 @@ def test_an_equal_option_of_another_type_is_still_checked(served_on_cpu, valid, 
             r"must start at 0, got 1",
         ),
         (lambda a: {**a, "max_seqlen_q": 3, "validate": True}, ValueError, r"has 4 tokens, more than max_seqlen_q 3"),
-        # No document is longer than all the tokens: a larger maximum is a claim the host can refuse (2**40 once overflowed
-        # the device-side check's int32 comparison and killed the process; on CPU the exact path tried to allocate 8 TiB).
-        (lambda a: {**a, "max_seqlen_q": 2**40}, ValueError, r"max_seqlen_q = 1099511627776 exceeds the 6 packed tokens"),
-        (lambda a: {**a, "max_seqlen_kv": 7}, ValueError, r"max_seqlen_kv = 7 exceeds the 6 packed tokens"),
-        (
-            lambda a: {
-                **a,
-                "k": a["k"][:5],
-                "v": a["v"][:5],
-                "cu_seqlens_kv": torch.tensor([0, 2, 5], dtype=torch.int32),
-                "max_seqlen_kv": 6,
-            },
-            ValueError,
-            r"max_seqlen_kv = 6 exceeds the 5 packed tokens",
-        ),  # each side's bound is its own tensor's token count
+        (lambda a: {**a, "max_seqlen_kv": -1}, ValueError, r"max_seqlen_kv must be >= 0, got -1"),
     ],
 )
 def test_varlen_errors(mutate, error, pattern, remembered):

@@ -1,0 +1,212 @@
+"""What is known to be wrong in cuDNN's attention, by cuDNN version, and what this package does about each.
+
+cuDNN is a moving dependency: torch pins the library it ships with (torch 2.11: 9.19, torch 2.15: 9.26), users upgrade
+it on their own, and each version fixes some bugs and brings others. Every entry of :data:`ERRATA` names the class it
+affects (graph kind, shapes, data condition), the versions it was seen on and fixed in, the public report or the
+project's own finding, the workaround and the test that shows it. Three kinds of workaround:
+
+* ``reroute``: the graph is built as another one that computes the same thing and is measured clean (the dense
+  graph with a padding mask and every length full, for the backward bugs of unpadded dense graphs);
+* ``refuse``: the graph gets the verdict of a rejection, so its calls take the exact path (counted, warned about once,
+  refused in strict mode) instead of returning wrong values or faulting;
+* ``none``: this package's graphs never meet it (listed so users of the loaded cuDNN know it is there).
+
+The decision is made once per graph, from its :class:`~cudnn_attention.cudnn_graphs.GraphSpec` (host metadata: no
+device value is read) and the version of the cuDNN library the frontend loaded (``cudnn.backend_version()``), so a
+rerouted or refused call costs nothing per call beyond the graph it runs. A data condition (a row whose log-sum-exp
+is below -88.7) cannot be known without reading the data, so every call of an affected graph class is rerouted.
+The doctor (``cudnn-attention doctor``) lists the entries that apply to the loaded cuDNN.
+
+cuDNN numbers its versions major * 10000 + minor * 100 + patch (9.19.0 is 91900).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+__all__ = ["ERRATA", "REFUSE", "REROUTE", "UNMET", "Erratum", "applying", "matching", "version_text"]
+
+REROUTE, REFUSE, UNMET = "reroute", "refuse", "none"
+
+
+class Erratum(NamedTuple):
+    """One known bug of cuDNN's attention.
+
+    ``first``/``fixed`` bound the versions it applies to, ``[first, fixed)`` (None leaves a side open: ``fixed`` None
+    means no fixed version is known). ``affects`` says whether a graph spec is of the affected class (None for entries
+    this package's graphs never meet). ``seen_on`` and ``report`` say who saw it where; ``test`` names the test
+    that shows it.
+    """
+
+    key: str
+    what: str
+    first: int | None
+    fixed: int | None
+    seen_on: str
+    report: str
+    action: str
+    workaround: str
+    test: str
+    affects: Callable | None = None
+
+    def applies_to(self, version: int | None) -> bool:
+        """Whether the cuDNN ``version`` is in this entry's range (an unknown version: yes)."""
+        return version is None or ((self.first is None or version >= self.first) and (self.fixed is None or version < self.fixed))
+
+    def versions(self) -> str:
+        """The range as users read it: ``"before 9.26.0"``, ``"9.20.0 and later (open)"``, ``"every version"``."""
+        if self.first is None and self.fixed is None:
+            return "every version (no fixed one known)"
+        if self.first is None:
+            return f"before {version_text(self.fixed)}"
+        if self.fixed is None:
+            return f"{version_text(self.first)} and later (no fix known)"
+        return f"{version_text(self.first)} to before {version_text(self.fixed)}"
+
+    def line(self) -> str:
+        """One paragraph for the doctor and the README."""
+        return f"{self.what} [{self.versions()}; seen on {self.seen_on}; {self.report}] Here: {self.workaround}"
+
+
+def version_text(version: int | None) -> str | None:
+    """``91900`` -> ``"9.19.0"``."""
+    return None if version is None else f"{version // 10000}.{version % 10000 // 100}.{version % 100}"
+
+
+def _key_tail_reachable(spec) -> bool:
+    """Whether some query row of a dense graph may see key positions at or past ``seq_kv`` (the zero-filled tail of the
+    last key tile): always without a right bound; with one, when the last row's diagonal plus it reaches ``seq_kv``.
+    Causal graphs (right bound 0, ``seq_q <= seq_kv``) never do: their tiles mask the tail."""
+    mask = spec.mask
+    if mask.right < 0:
+        return True
+    last_diagonal = spec.seq_kv - 1 if mask.bottom_right else spec.seq_q - 1
+    return last_diagonal + mask.right >= spec.seq_kv
+
+
+def _unpadded_dense_backward(spec) -> bool:
+    # Padded and packed graphs carry a padding mask, which masks the key tail; both bugs below were measured clean there.
+    return spec.direction == "backward" and not spec.packed and not spec.padded
+
+
+def _dq_nan_at_kv_64_mod_128(spec) -> bool:
+    return _unpadded_dense_backward(spec) and spec.seq_kv % 128 == 64 and _key_tail_reachable(spec)
+
+
+def _dkdv_nan_single_query(spec) -> bool:
+    return _unpadded_dense_backward(spec) and spec.seq_q == 1
+
+
+def _plan_segfault_single_everything(spec) -> bool:
+    return spec.direction == "backward" and not spec.packed and spec.batch == 1 and spec.heads_q == 1 and spec.seq_q == 1
+
+
+def _packed_d256_other_dv(spec) -> bool:
+    return spec.direction == "backward" and spec.packed and spec.dim_qk > 192 and spec.dim_v != spec.dim_qk
+
+
+_PADDED_VARIANT = (
+    "the backward graph is built with a padding mask and every length full (the same result; that graph was measured clean), "
+    "chosen from the shapes alone, with no device read"
+)
+
+ERRATA = (
+    Erratum(
+        key="dq-nan-kv-64-mod-128",
+        what=(
+            "Hopper backward of a dense graph without a padding mask: NaN in dQ when the key length is 64 mod 128 and a query "
+            "row's log-sum-exp is below about -88.7 (every score of the row very negative: a query anti-aligned with every "
+            "key, the 'massive activation' heads of real models). The kernel walks 128-key tiles but masks the zero-filled "
+            "tail at 64-key granularity, so exp(0 - lse) overflows there."
+        ),
+        first=None,
+        fixed=92600,
+        seen_on="9.19.0 (H200, this project: S 64, 192, 320, 448, 1088 at D 64 and 128, non-causal; the padded, causal and "
+        "packed graphs clean on the same data)",
+        report="https://github.com/pytorch/pytorch/issues/196678, https://github.com/NVIDIA/cudnn-frontend/pull/628",
+        action=REROUTE,
+        workaround=_PADDED_VARIANT + " for every unpadded dense backward whose key length is 64 mod 128 and whose mask "
+        "leaves the key tail reachable (no right bound, or one reaching past the last key); causal graphs are not affected",
+        test="tests/gpu/test_gpu_errata.py::test_negative_lse_rows_get_finite_gradients, "
+        "tests/gpu/test_gpu_errata.py::test_the_table_matches_the_loaded_cudnn",
+        affects=_dq_nan_at_kv_64_mod_128,
+    ),
+    Erratum(
+        key="dkdv-nan-single-query",
+        what=(
+            "Hopper backward of a dense graph without a padding mask and a single query row: NaN in every element of dK and "
+            "dV when that row's log-sum-exp is very negative (about -122)."
+        ),
+        first=92000,
+        fixed=None,
+        seen_on="9.25.1 and 9.26.0 (H200, upstream: B 1, H 2, S_q 1, S_kv 128, D 64, bf16, non-causal); 9.19.0 clean in "
+        "this project's check; 9.20-9.25.0 unchecked, treated as affected",
+        report="https://github.com/NVIDIA/cudnn-frontend/issues/1072 (open)",
+        action=REROUTE,
+        workaround=_PADDED_VARIANT + " for every unpadded dense backward with one query row (upstream: the padding mask avoids it)",
+        test="tests/gpu/test_gpu_errata.py::test_negative_lse_rows_get_finite_gradients",
+        affects=_dkdv_nan_single_query,
+    ),
+    Erratum(
+        key="bwd-plan-segfault-b1-h1-s1",
+        what="Backward plan creation crashes the process (segmentation fault) when B = H_q = H_kv = S_q = 1.",
+        first=92000,
+        fixed=None,
+        seen_on="9.26.0 (H200, upstream: S_kv 128, D 64, bf16, non-causal); 9.20-9.25 unchecked, treated as affected",
+        report="https://github.com/NVIDIA/cudnn-frontend/issues/1071 (open)",
+        action=REFUSE,
+        workaround="such a backward graph is refused before it is built, so the call takes the exact path (counted, warned "
+        "about once, refused in strict mode): a crash cannot be caught",
+        test="tests/unit/test_errata.py::test_refused_graphs_are_cached_rejections_before_anything_is_built",
+        affects=_plan_segfault_single_everything,
+    ),
+    Erratum(
+        key="packed-d256-other-dv-backward",
+        what="Packed (ragged) backward at D 256 with a different D_v: NaN and garbage in dQ/dK/dV.",
+        first=None,
+        fixed=None,
+        seen_on="9.19.0 (H200, this project's GPU fuzz: 13 of 4,000 cases, D_v 80 and 128)",
+        report="this project's finding (docs/decisions/0009-known-wrong-cudnn-configurations.md)",
+        action=REFUSE,
+        workaround="the whole D > 192, D_v != D packed backward corner is refused, so those calls take the exact path",
+        test="tests/unit/test_errata.py, tests/gpu/test_gpu_fuzz.py",
+        affects=_packed_d256_other_dv,
+    ),
+    Erratum(
+        key="packed-sinks-backward-stats",
+        what=("Packed (THD) backward with learnable sinks in the graph: wrong dSink, or softmax statistics read out of bounds."),
+        first=None,
+        fixed=92600,
+        seen_on="before 9.26 (TransformerEngine, reproducer D 192, H 64/8, window (511, 0), documents [2] + [598] * 8)",
+        report="https://github.com/NVIDIA/TransformerEngine/issues/3249, https://github.com/NVIDIA/TransformerEngine/pull/3470",
+        action=UNMET,
+        workaround="not met: this package's backward graph never holds the sinks (dSink comes from a closed form after it)",
+        test="tests/gpu/test_gpu_packed_sinks.py",
+    ),
+    Erratum(
+        key="float32-output-forward",
+        what="The sink-less forward writes wrong values when asked for a float32 output.",
+        first=91900,
+        fixed=92000,
+        seen_on="9.19.0 (H200, this project)",
+        report="this project's finding (docs/decisions/0001-sink-forward-fold-or-engine.md)",
+        action=UNMET,
+        workaround="not met: outputs are always in the inputs' 16-bit dtype (the sink fold rounds once more instead)",
+        test="none (the graph is never built)",
+    ),
+)
+
+
+def applying(version: int | None) -> list[Erratum]:
+    """The entries whose version range holds the cuDNN ``version`` (None: unknown, every entry)."""
+    return [erratum for erratum in ERRATA if erratum.applies_to(version)]
+
+
+def matching(spec, version: int | None) -> Erratum | None:
+    """The entry a graph of ``spec`` meets on the cuDNN ``version`` (a refusal before a reroute), or None.
+
+    An unknown version (None) matches every range: a graph is only ever built with a known one."""
+    met = [e for e in ERRATA if e.affects is not None and e.applies_to(version) and e.affects(spec)]
+    refusals = [e for e in met if e.action == REFUSE]
+    return (refusals or met or [None])[0]

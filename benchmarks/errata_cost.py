@@ -1,0 +1,86 @@
+"""What each erratum's workaround costs: the rerouted graph's fwd+bwd time beside the unaffected graphs at neighbouring
+shapes and beside the same shape with the workaround off, measured in one process.
+
+    python3 benchmarks/errata_cost.py                 # the default shapes below
+    python3 benchmarks/errata_cost.py --out benchmarks/results
+
+The reroute of ``dq-nan-kv-64-mod-128`` serves an unpadded dense backward at S_kv = 64 mod 128 with the padded graph (every
+length full). Rows: for each S (a vision tower's 576 patches, 1088, 4160), the call as served (``as served``), the same call
+with the reroute off (``bug's graph``: the graph that writes NaN dQ on adversarial rows, timed on ordinary data) and the
+neighbours S - 64 and S + 64, which no erratum touches. The ratio ``as served / bug's graph`` is the workaround's cost.
+The cuDNN version the frontend loaded is in the header; on a version the table calls unaffected both rows are one graph.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+if not torch.cuda.is_available():
+    raise SystemExit("benchmarks/errata_cost.py times cuDNN graphs and needs a CUDA GPU; none is visible here.")
+
+import cudnn_attention  # noqa: E402
+from attention_kernels import cuda_time_ms  # noqa: E402 (this folder is on sys.path when run)
+from cudnn_attention import cudnn_graphs, errata, launch  # noqa: E402
+from cudnn_attention.environment import versions  # noqa: E402
+
+SHAPES = [(576, 1, 16, 16, 64), (1088, 2, 16, 16, 64), (4160, 1, 32, 8, 128)]  # S, B, H, H_kv, D (non-causal: encoders, vision)
+
+
+def _step(S, B, H, H_kv, D):
+    torch.manual_seed(0)
+    q = torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(B, H_kv, S, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(B, H_kv, S, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        out = cudnn_attention.attention(q, k, v)
+        torch.autograd.grad(out, (q, k, v), grad)
+
+    return step
+
+
+def _timed(shape, *, reroute: bool) -> float:
+    around = cudnn_graphs._around_errata
+    if not reroute:
+        cudnn_graphs._around_errata = lambda spec: spec
+    cudnn_graphs.clear_cache()
+    try:
+        return cuda_time_ms(_step(*shape))
+    finally:
+        cudnn_graphs._around_errata = around
+        cudnn_graphs.clear_cache()
+
+
+def main(argv=None) -> list[str]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, help="also write the table to OUT/errata_cost.md")
+    args = parser.parse_args(argv)
+    found = versions()
+    version = launch.cudnn_version()
+    lines = [
+        f"H200 errata workaround cost: torch {found['torch']}, cuDNN {errata.version_text(version)} (frontend {found['cudnn_frontend']}), "
+        f"bf16, non-causal, fwd+bwd ms (median of 15 means of 10 calls)",
+        "",
+        "| S, B, H/H_kv, D | as served | bug's graph | ratio | S - 64 | S + 64 |",
+        "|---|---|---|---|---|---|",
+    ]
+    for S, B, H, H_kv, D in SHAPES:
+        served = _timed((S, B, H, H_kv, D), reroute=True)
+        bug = _timed((S, B, H, H_kv, D), reroute=False)
+        below = _timed((S - 64, B, H, H_kv, D), reroute=True)
+        above = _timed((S + 64, B, H, H_kv, D), reroute=True)
+        lines.append(f"| {S}, {B}, {H}/{H_kv}, {D} | {served:.3f} | {bug:.3f} | {served / bug:.2f}x | {below:.3f} | {above:.3f} |")
+    print("\n".join(lines))
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "errata_cost.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return lines
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() else 1)

@@ -1,0 +1,96 @@
+"""The errata table (``cudnn_attention.errata``) against the loaded cuDNN, on the GPU.
+
+Each reroute entry has a reproducer (the adversarial rows of ``support.adversarial``: every score of a row near -100, so its
+log-sum-exp is below -88.7). With the package's workaround every gradient is finite and within the tolerance rule on every
+version; with the workaround off, the reproducer must fail exactly on the versions the table calls affected, so a cuDNN
+that fixes a bug (or one that brings it back) shows up here until its entry is changed. The one-query reproducer is
+frontend issue 1072's, the 64-mod-128 one pytorch issue 196678's. A crash entry (1071) is never reproduced in-process.
+"""
+
+import pytest
+import torch
+
+import cudnn_attention
+from cudnn_attention import cudnn_graphs, errata, launch
+from support.adversarial import anti_align
+from support.reference64 import evaluate_call
+
+pytestmark = pytest.mark.gpu
+DEVICE = "cuda"
+
+
+def _dense_adversarial(S_q, S_kv, D, *, H=4, H_kv=2, B=1, target=100.0, seed=0):
+    torch.manual_seed(seed)
+    q = torch.randn(B, H, S_q, D, device=DEVICE, dtype=torch.bfloat16)
+    k = torch.randn(B, H_kv, S_kv, D, device=DEVICE, dtype=torch.bfloat16)
+    v = torch.randn(B, H_kv, S_kv, D, device=DEVICE, dtype=torch.bfloat16)
+    generator = torch.Generator().manual_seed(seed)
+    anti_align(q, k, scale=D**-0.5, target=target + torch.tensor(float(S_kv)).log().item(), rows="all", generator=generator, packed=False)
+    return [t.requires_grad_() for t in (q, k, v)]
+
+
+MASKS = {"none": {}, "causal": dict(causal=True), "left window": dict(window_size=(100, -1)), "band": dict(window_size=(8, 300))}
+
+
+@pytest.mark.parametrize("S", [64, 192, 320, 576, 1088, 128, 200, 1000])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("mask", list(MASKS))
+def test_negative_lse_rows_get_finite_gradients(S, D, mask):
+    q, k, v = _dense_adversarial(S, S, D)
+    cudnn_attention.reset_stats()
+    with cudnn_attention.strict():
+        result = evaluate_call("dense", (q, k, v), MASKS[mask])
+    assert cudnn_attention.stats()["cudnn_backward"] == 1
+    assert result["ok"], [c for c in result["checks"] if not c["ok"]]
+
+
+@pytest.mark.parametrize("S_kv", [128, 576, 1000])
+def test_a_single_negative_lse_query_gets_finite_gradients(S_kv):
+    q, k, v = _dense_adversarial(1, S_kv, 64, H=2, H_kv=2, target=120.0)
+    with cudnn_attention.strict():
+        result = evaluate_call("dense", (q, k, v), {})
+    assert result["ok"], [c for c in result["checks"] if not c["ok"]]
+
+
+REPRODUCERS = {
+    # key: (S_q, S_kv, D, H, H_kv, target, the gradient the bug ruins)
+    "dq-nan-kv-64-mod-128": (576, 576, 64, 4, 2, 100.0, 0),
+    "dkdv-nan-single-query": (1, 128, 64, 2, 2, 122.0, 1),
+}
+
+
+@pytest.mark.parametrize("key", list(REPRODUCERS))
+def test_the_table_matches_the_loaded_cudnn(key, monkeypatch):
+    """With the reroute off, the reproducer's gradient is non-finite exactly where the table says the loaded cuDNN has the bug."""
+    erratum = next(e for e in errata.ERRATA if e.key == key)
+    affected = erratum.applies_to(launch.cudnn_version())
+    monkeypatch.setattr(cudnn_graphs, "_around_errata", lambda spec: spec)
+    cudnn_graphs.clear_cache()
+    try:
+        S_q, S_kv, D, H, H_kv, target, which = REPRODUCERS[key]
+        q, k, v = _dense_adversarial(S_q, S_kv, D, H=H, H_kv=H_kv, target=target)
+        out = cudnn_attention.attention(q, k, v)
+        grads = torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+        broken = not bool(torch.isfinite(grads[which]).all())
+    finally:
+        cudnn_graphs.clear_cache()
+    version = errata.version_text(launch.cudnn_version())
+    said = "applies" if affected else "does not apply"
+    assert broken == affected, f"cuDNN {version}: the table says {key} {said}, the reproducer says otherwise"
+
+
+def test_the_rerouted_graph_is_the_padded_one_and_no_host_sync():
+    from support.sync_debug import warm_and_run
+
+    q, k, v = _dense_adversarial(576, 576, 64)
+    grad = torch.randn(1, 4, 576, 64, device=DEVICE, dtype=torch.bfloat16)
+
+    def step():
+        out = cudnn_attention.attention(q, k, v)
+        torch.autograd.grad(out, (q, k, v), grad)
+
+    warm_and_run(step)  # warm-up, then under torch.cuda.set_sync_debug_mode("error")
+    specs = [spec for spec in cudnn_graphs._cache if spec.direction == "backward" and spec.seq_kv == 576]
+    assert len(specs) == 1
+    rerouted = errata.matching(specs[0]._replace(padded=False), launch.cudnn_version()) is not None
+    assert specs[0].padded == rerouted  # padded exactly on the versions the table calls affected
