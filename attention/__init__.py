@@ -22,6 +22,7 @@ FlashAttention-style code swaps one import: :mod:`cudnn_attention.flash_attn_int
 from . import flash_attn_interface, flop_formulas
 from .api import attention, varlen_attention
 from .integrations.hf import load_hook as _hf_load_hook
+from .packed_batch import PackedBatch, packed_batch
 from .policy import (
     CudnnAttentionCopyWarning,
     CudnnAttentionFallbackWarning,
@@ -40,6 +41,7 @@ __version__ = "0.1.0"  # the one place: pyproject.toml reads it (dynamic version
 __all__ = [
     "CudnnAttentionCopyWarning",
     "CudnnAttentionFallbackWarning",
+    "PackedBatch",
     "ProviderConflictError",
     "ProviderConflictWarning",
     "ProviderHandle",
@@ -50,6 +52,7 @@ __all__ = [
     "flat_stats",
     "install",
     "is_strict",
+    "packed_batch",
     "reset_stats",
     "set_strict",
     "stats",

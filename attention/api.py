@@ -186,10 +186,8 @@ def varlen_attention(
     if served is not None:  # its q/k/v were token-major already (else they would have been copied, and the call not remembered)
         call, resolved = served
         # The call holds the maxima as validated: clamped to the token counts.
-        validation.check_prefix_sums(
-            cu_seqlens_q, cu_seqlens_kv, q.shape[0], k.shape[0], call.max_seqlen_q, call.max_seqlen_kv, validate=False
-        )
         lengths = packed_lengths(cu_seqlens_q, cu_seqlens_kv, q.shape[0], k.shape[0])
+        lengths.batch.check(call.max_seqlen_q, call.max_seqlen_kv, validate=False, cover_all=False)
         out, lse = serve(Prepared(call, q, k, v, sinks, lengths), plan=resolved)
     else:
         prepared = prepare_packed(

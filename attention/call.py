@@ -21,6 +21,7 @@ import torch
 from . import validation
 from .layouts import token_major
 from .masking import MaskSpec, effective_lengths, is_int_window, make_mask_spec
+from .packed_batch import PackedBatch, registered_batch
 
 __all__ = [
     "NO_LENGTHS",
@@ -75,27 +76,21 @@ class AttentionCall:
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
 class Lengths:
     """A call's index tensors, as the kernels take them: a padded dense call's per-row lengths (int32 (B,),
-    already clamped, see :func:`cudnn_attention.masking.effective_lengths`), or a packed call's prefix sums;
-    None where the call has none.
-
-    ``covers_every_token``: the packed prefix sums are one tensor for both sides and put every token in a
-    document, so the kernels write every row and no output needs a zero fill first. Set where it is known
-    (:func:`prepare_packed`, :func:`from_op_args`), from what validation proved about these tensors.
-    """
+    already clamped, see :func:`cudnn_attention.masking.effective_lengths`), or a packed call's batch (its prefix
+    sums and what is known and derived of them, :class:`~cudnn_attention.packed_batch.PackedBatch`); None where
+    the call has none."""
 
     seqlens_q: torch.Tensor | None = None
     seqlens_kv: torch.Tensor | None = None
-    cu_seqlens_q: torch.Tensor | None = None
-    cu_seqlens_kv: torch.Tensor | None = None
-    covers_every_token: bool = False
+    batch: PackedBatch | None = None
 
     @property
-    def leaves_only_a_tail(self) -> bool:
-        """Packed, not covering every token, one prefix-sum tensor for both sides: every document with queries has
-        keys and every key is seen by its own query, so the kernels leave only the rows past the last document
-        unwritten. Two tensors may also leave the queries of documents without keys. Either way, large calls set those
-        rows after the kernels (:mod:`cudnn_attention.packed_rows`) and small ones zero-fill their outputs first."""
-        return self.cu_seqlens_q is not None and self.cu_seqlens_q is self.cu_seqlens_kv and not self.covers_every_token
+    def cu_seqlens_q(self) -> torch.Tensor | None:
+        return None if self.batch is None else self.batch.cu_seqlens_q
+
+    @property
+    def cu_seqlens_kv(self) -> torch.Tensor | None:
+        return None if self.batch is None else self.batch.cu_seqlens_kv
 
     def tensors(self) -> tuple:
         """The four index tensors (None where absent), in the ops' order."""
@@ -281,7 +276,8 @@ def prepare_packed(
     mask = make_mask_spec(causal=causal, bottom_right=bottom_right, window_size=window_size)
     q, scale = validation.positive_scale(q, validation.resolve_scale(scale, q.shape[-1]))
     sinks = validation.check_sinks(sinks, q, q.shape[1])
-    validation.check_prefix_sums(cu_seqlens_q, cu_seqlens_kv, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_kv, validate=validate)
+    batch = registered_batch(cu_seqlens_q, cu_seqlens_kv, q.shape[0], k.shape[0])
+    batch = batch.check(max_seqlen_q, max_seqlen_kv, validate=validate, cover_all=False)
     grad = needs_grad(q, k, v, sinks) if grad is None else grad
     if grad:
         q, k, v = token_major(q), token_major(k), token_major(v)
@@ -297,20 +293,13 @@ def prepare_packed(
         needs_grad=grad,
         **_checked(options),
     )
-    lengths = packed_lengths(cu_seqlens_q, cu_seqlens_kv, q.shape[0], k.shape[0])
-    return Prepared(call, q, k, v, sinks, lengths, key if _unchanged(given, q, k, v) else None)
+    return Prepared(call, q, k, v, sinks, Lengths(batch=batch), key if _unchanged(given, q, k, v) else None)
 
 
 def packed_lengths(cu_seqlens_q, cu_seqlens_kv, tokens_q: int, tokens_kv: int) -> Lengths:
-    """A packed call's :class:`Lengths`, with ``covers_every_token`` from what validation proved: one prefix-sum
-    tensor for both sides that puts every token in a document (then every document with queries has keys and
-    every key is seen by its own query, as every mask keeps the diagonal)."""
-    covers = (
-        cu_seqlens_q is cu_seqlens_kv
-        and tokens_q == tokens_kv
-        and validation.every_token_covered(cu_seqlens_q, cu_seqlens_q, tokens_q, tokens_kv)
-    )
-    return Lengths(cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv, covers_every_token=covers)
+    """A packed call's :class:`Lengths`: the batch kept for these prefix sums (what was proved and derived of them), or a
+    new one (see :func:`~cudnn_attention.packed_batch.registered_batch`; nothing is checked here)."""
+    return Lengths(batch=registered_batch(cu_seqlens_q, cu_seqlens_kv, tokens_q, tokens_kv))
 
 
 def prepare_aten(
@@ -395,14 +384,12 @@ def _unchanged(given, q, k, v) -> bool:
 OP_OPTIONS = {"scale": "float scale", "deterministic": "bool? deterministic=None"}
 OP_TAIL_SCHEMA = (
     "Tensor? sinks=None, Tensor? seqlens_q=None, Tensor? seqlens_kv=None, Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_kv=None, "
-    "*, int max_seqlen_q=0, int max_seqlen_kv=0, int window_left=-1, int window_right=-1, bool bottom_right=False, "
-    + ", ".join(OP_OPTIONS.values())
+    f"*, int max_seqlen_q=0, int max_seqlen_kv=0, {MaskSpec.OP_SCHEMA}, " + ", ".join(OP_OPTIONS.values())
 )
 
 
 def op_args(call: AttentionCall, lengths: Lengths, sinks) -> dict:
     """The ops' arguments for ``call`` by name, after q/k/v (see ``OP_TAIL_SCHEMA``); dense maxima are the shapes' (0)."""
-    mask = call.mask
     return dict(
         sinks=sinks,
         seqlens_q=lengths.seqlens_q,
@@ -411,9 +398,7 @@ def op_args(call: AttentionCall, lengths: Lengths, sinks) -> dict:
         cu_seqlens_kv=lengths.cu_seqlens_kv,
         max_seqlen_q=call.max_seqlen_q if call.packed else 0,
         max_seqlen_kv=call.max_seqlen_kv if call.packed else 0,
-        window_left=mask.left,
-        window_right=mask.right,
-        bottom_right=mask.bottom_right,
+        **call.mask.op_args(),
         **{name: getattr(call, name) for name in OP_OPTIONS},
     )
 
@@ -431,13 +416,12 @@ def from_op_args(
     cu_seqlens_kv=None,
     max_seqlen_q: int = 0,
     max_seqlen_kv: int = 0,
-    window_left: int = -1,
-    window_right: int = -1,
-    bottom_right: bool = False,
     **options,
 ) -> tuple[AttentionCall, Lengths]:
-    """The call value and its lengths, rebuilt from the ops' arguments (:func:`op_args`; ``options``: the
-    :data:`OP_OPTIONS`, which the dispatcher leaves out where they hold their defaults)."""
+    """The call value and its lengths, rebuilt from the ops' arguments (:func:`op_args`; ``options``: the mask's
+    (:data:`~cudnn_attention.masking.MaskSpec.OP_SCHEMA`) and the :data:`OP_OPTIONS`, which the dispatcher leaves out
+    where they hold their defaults)."""
+    mask = MaskSpec.from_op_args(**{name: options.pop(name) for name in MaskSpec().op_args() if name in options})
     packed = cu_seqlens_q is not None
     call = AttentionCall(
         packed=packed,
@@ -445,7 +429,7 @@ def from_op_args(
         documents=cu_seqlens_q.shape[0] - 1 if packed else 0,
         max_seqlen_q=max_seqlen_q if packed else q.shape[2],
         max_seqlen_kv=max_seqlen_kv if packed else k.shape[2],
-        mask=MaskSpec(window_left, window_right, bottom_right),
+        mask=mask,
         has_sinks=sinks is not None,
         need_lse=need_lse,
         needs_grad=grad,

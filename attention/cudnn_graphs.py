@@ -21,8 +21,9 @@ import torch
 
 from . import _compat, errata, launch
 from .call import AttentionCall, served_key
+from .dtypes import DTYPES
 from .layouts import MIN_SEQ_BUCKET, like_layout_strides, packed_bounds, shape_bucket, thd_descriptor_strides
-from .masking import MaskSpec, sees_at_most_one_key
+from .masking import MaskSpec
 from .policy import note_graph_build
 
 __all__ = [
@@ -176,6 +177,7 @@ class CompiledGraph:
         "grad_strides",
         "full_lengths",
         "one_key_per_row",
+        "mask",
     )
 
     def __init__(self, spec: GraphSpec, graph, workspace_size, uids, ragged_columns):
@@ -186,7 +188,8 @@ class CompiledGraph:
         self.grad_strides = None if spec.packed else spec.grad_strides  # dense backward: dQ/dK/dV strides, decided once
         # Dense graphs with a padding mask: (B, S_q, S_kv), the lengths an unpadded call passes (an erratum's reroute).
         self.full_lengths = (spec.batch, spec.seq_q, spec.seq_kv) if spec.padded and not spec.packed else None
-        self.one_key_per_row = sees_at_most_one_key(spec.mask, packed=spec.packed, seq_kv=spec.seq_kv)
+        self.one_key_per_row = spec.mask.sees_at_most_one_key(packed=spec.packed, seq_kv=spec.seq_kv)
+        self.mask = spec.mask  # what the packed row passes ask (keeps_diagonal)
         self.workspace_size = workspace_size
         self.uids = uids
         # ((side, token_stride), ...): each column is cu_seqlens_<side> * token_stride, in uid order.
@@ -394,7 +397,7 @@ class _Nodes:
 
     def __init__(self, cudnn, spec: GraphSpec, handle):
         self.cudnn, self.spec = cudnn, spec
-        self.io_type = cudnn.data_type.HALF if spec.dtype == torch.float16 else cudnn.data_type.BFLOAT16
+        self.io_type = getattr(cudnn.data_type, DTYPES[spec.dtype].cudnn_name)
         self.graph = cudnn.pygraph(
             handle=handle, io_data_type=self.io_type, intermediate_data_type=cudnn.data_type.FLOAT, compute_data_type=cudnn.data_type.FLOAT
         )
@@ -437,11 +440,8 @@ def _construct(cudnn, spec: GraphSpec, handle, all_plans: bool = False) -> Compi
             int32 = cudnn.data_type.INT32
             seq_q = nodes.tensor("seq_len_q", _UID.SEQ_Q, (B, 1, 1, 1), (1, 1, 1, 1), data_type=int32)
             seq_kv = nodes.tensor("seq_len_kv", _UID.SEQ_KV, (B, 1, 1, 1), (1, 1, 1, 1), data_type=int32)
-        left_bound, right_bound = spec.mask.cudnn_bounds()
         mask_args = dict(
-            diagonal_band_left_bound=left_bound,
-            diagonal_band_right_bound=right_bound,
-            diagonal_alignment=cudnn.diagonal_alignment.BOTTOM_RIGHT if spec.mask.bottom_right else cudnn.diagonal_alignment.TOP_LEFT,
+            **spec.mask.cudnn_diagonal(cudnn),
             use_padding_mask=spec.padded or spec.packed,
             seq_len_q=seq_q,
             seq_len_kv=seq_kv,

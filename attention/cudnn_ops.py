@@ -226,7 +226,7 @@ class _EagerAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, sinks, plan, call, lengths):
         out, lse = run_forward(plan, q, k, v, sinks, lengths, True)
         ctx.save_for_backward(q, k, v, out, lse, sinks, *lengths.tensors())
-        ctx.plan, ctx.call, ctx.covers_every_token = plan, call, lengths.covers_every_token
+        ctx.plan, ctx.call, ctx.batch = plan, call, lengths.batch
         ctx.set_materialize_grads(False)  # the LSE is differentiable; an unused output's gradient arrives as None
         return out, lse
 
@@ -235,13 +235,9 @@ class _EagerAttention(torch.autograd.Function):
         if grad_out is None and grad_lse is None:
             return None, None, None, None, None, None, None
         q, k, v, out, lse, sinks, seqlens_q, seqlens_kv, cu_seqlens_q, cu_seqlens_kv = ctx.saved_tensors
-        lengths = Lengths(
-            seqlens_q=seqlens_q,
-            seqlens_kv=seqlens_kv,
-            cu_seqlens_q=cu_seqlens_q,
-            cu_seqlens_kv=cu_seqlens_kv,
-            covers_every_token=ctx.covers_every_token,
-        )
+        # The saved index tensors are checked for in-place writes since the forward; the batch's facts come along with them.
+        del cu_seqlens_q, cu_seqlens_kv
+        lengths = Lengths(seqlens_q=seqlens_q, seqlens_kv=seqlens_kv, batch=ctx.batch)
         graph, deterministic = ctx.plan.backward, ctx.call.backward_deterministic()
         if ctx.plan.deterministic != deterministic:  # torch's setting changed since the forward (the op path resolves per backward too)
             graph = backward_graph(q, k, v, ctx.call, deterministic=deterministic)

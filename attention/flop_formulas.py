@@ -38,6 +38,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from . import _compat
+from .masking import MaskSpec
 
 __all__ = ["attention_pairs", "backward_flops", "forward_flops", "register", "sdpa_flop_formulas", "sdpa_masks_counted"]
 
@@ -49,29 +50,10 @@ def attention_pairs(
 
     Query ``i`` sees key ``j`` iff ``i - window_left <= j <= i + window_right`` (FlashAttention's convention, -1
     leaves a side unbounded; causal is ``window_right = 0``), with ``i`` shifted by ``len_kv - len_q`` when
-    ``bottom_right``. Exact, in constant time per sequence (a sequence of 10**6 tokens costs what one of 10 does).
+    ``bottom_right``: :meth:`cudnn_attention.masking.MaskSpec.visible_pairs`, per sequence.
     """
-    return sum(_sequence_pairs(int(n_q), int(n_kv), window_left, window_right, bottom_right) for n_q, n_kv in zip(lengths_q, lengths_kv))
-
-
-def _sequence_pairs(len_q: int, len_kv: int, left: int, right: int, bottom_right: bool) -> int:
-    if len_q <= 0 or len_kv <= 0:
-        return 0
-    offset = len_kv - len_q if bottom_right else 0
-    # Visible: offset - left <= j - i <= offset + right. Count the pairs up to the upper diagonal, less those below the lower one.
-    upper = _pairs_up_to(offset + right, len_q, len_kv) if right >= 0 else len_q * len_kv
-    lower = _pairs_up_to(offset - left - 1, len_q, len_kv) if left >= 0 else 0
-    return upper - lower
-
-
-def _pairs_up_to(diagonal: int, len_q: int, len_kv: int) -> int:
-    """Pairs ``(i, j)`` in the ``len_q`` x ``len_kv`` grid with ``j - i <= diagonal``: row ``i`` holds
-    ``clamp(i + diagonal + 1, 0, len_kv)`` of them, an arithmetic run clamped at both ends."""
-    first = diagonal + 1
-    rising = min(max(1 - first, 0), len_q)  # first row holding at least one pair
-    full = min(max(len_kv - first, rising), len_q)  # first row holding every key
-    n = full - rising
-    return n * (2 * (first + rising) + n - 1) // 2 + (len_q - full) * len_kv
+    mask = MaskSpec.from_op_args(window_left, window_right, bottom_right)
+    return sum(mask.visible_pairs(int(n_q), int(n_kv)) for n_q, n_kv in zip(lengths_q, lengths_kv))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -107,33 +89,33 @@ def _dense_lengths(bound: dict, s_q: int, s_kv: int) -> tuple[list[int], list[in
     return lengths[0], lengths[1]
 
 
-def _packed_pairs(bound: dict, left: int, right: int, bottom_right: bool) -> int:
+def _packed_pairs(bound: dict, mask: MaskSpec) -> int:
     """Visible pairs of a packed call: per document from the prefix sums, or, without their values, the smaller of
     every document at its maximum and every query token seeing as many keys as a row can (the widest window, or the
     longest document). A maximum of 0 or less counts as the token count, so the bound holds whatever it meant."""
     cu_q, cu_kv = bound["cu_seqlens_q"], bound["cu_seqlens_kv"]
     if _compat.holds_values(cu_q) and _compat.holds_values(cu_kv):
         starts_q, starts_kv = cu_q.tolist(), cu_kv.tolist()  # synchronizes on a GPU: see the module's note
-        lengths_q = [end - start for start, end in itertools.pairwise(starts_q)]
-        lengths_kv = [end - start for start, end in itertools.pairwise(starts_kv)]
-        return attention_pairs(lengths_q=lengths_q, lengths_kv=lengths_kv, window_left=left, window_right=right, bottom_right=bottom_right)
+        return sum(
+            mask.visible_pairs(q_end - q_start, kv_end - kv_start)
+            for (q_start, q_end), (kv_start, kv_end) in zip(itertools.pairwise(starts_q), itertools.pairwise(starts_kv))
+        )
     tokens_q, tokens_kv, documents = bound["q"].shape[0], bound["k"].shape[0], cu_q.shape[0] - 1
     max_q = min(bound["max_seqlen_q"], tokens_q) if bound["max_seqlen_q"] > 0 else tokens_q
     max_kv = min(bound["max_seqlen_kv"], tokens_kv) if bound["max_seqlen_kv"] > 0 else tokens_kv
-    every_document_longest = documents * _sequence_pairs(max_q, max_kv, left, right, bottom_right)
-    widest_row = min(max_kv, left + right + 1) if left >= 0 and right >= 0 else max_kv
-    return min(every_document_longest, min(tokens_q, documents * max_q) * widest_row)
+    every_document_longest = documents * mask.visible_pairs(max_q, max_kv)
+    return min(every_document_longest, min(tokens_q, documents * max_q) * mask.widest_row(max_kv))
 
 
 def _visible_pairs_and_dims(bound: dict) -> tuple[int, int, int, int]:
     """``(visible pairs per query head, query heads, D, D_v)`` of a forward or backward call."""
     q, v = bound["q"], bound["v"]
-    left, right, bottom_right = bound["window_left"], bound["window_right"], bool(bound["bottom_right"])
+    mask = MaskSpec.from_op_args(bound["window_left"], bound["window_right"], bound["bottom_right"])
     if bound.get("cu_seqlens_q") is not None:
-        pairs = _packed_pairs(bound, left, right, bottom_right)
+        pairs = _packed_pairs(bound, mask)
     else:
         lengths_q, lengths_kv = _dense_lengths(bound, q.shape[2], bound["k"].shape[2])
-        pairs = attention_pairs(lengths_q=lengths_q, lengths_kv=lengths_kv, window_left=left, window_right=right, bottom_right=bottom_right)
+        pairs = sum(mask.visible_pairs(n_q, n_kv) for n_q, n_kv in zip(lengths_q, lengths_kv))
     return pairs, q.shape[1], q.shape[-1], v.shape[-1]
 
 
@@ -153,7 +135,7 @@ def backward_flops(*args, out_val=None, **kwargs) -> int:
     """FLOPs of one ``cudnn_attention::backward`` call: ``2 * (3 D + 2 D_v)`` per visible pair per query head, torch's
     count for its SDPA backward, with the pairs and bounds of :func:`forward_flops`. One count per call, whichever
     gradients arrive: a loss that uses both the output and the LSE costs cuDNN one more launch of its backward graph
-    (see ``cudnn_ops._lse_gradient_operands``), which is not counted; the math needs no more products."""
+    (see ``launch._lse_gradient_operands``), which is not counted; the math needs no more products."""
     pairs, heads, d_qk, d_v = _visible_pairs_and_dims(_bind(torch.ops.cudnn_attention.backward, args, kwargs))
     return pairs * heads * 2 * (3 * d_qk + 2 * d_v)
 
@@ -200,7 +182,7 @@ def _sdpa_formula(packet, direction: str, mask_argument: str | None, fallback):
         batch, heads, s_q, d_qk = query.shape
         s_kv, d_v = key.shape[2], value.shape[-1]
         causal = bool(bound.get("is_causal")) and (mask_argument is None or bound.get(mask_argument) is None)
-        pairs = attention_pairs(lengths_q=[s_q] * batch, lengths_kv=[s_kv] * batch, window_right=0 if causal else -1)
+        pairs = batch * MaskSpec(right=0 if causal else -1).visible_pairs(s_q, s_kv)
         per_pair = 2 * (d_qk + d_v) if direction == "forward" else 2 * (3 * d_qk + 2 * d_v)
         return pairs * heads * per_pair
 

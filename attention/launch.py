@@ -17,7 +17,7 @@ import threading
 
 import torch
 
-from . import _compat, tensor_memo
+from . import _compat
 from .call import Lengths
 from .fused_sinks import fold_sinks, sink_gradient
 from .layouts import allocate_backward_outputs, allocate_forward_outputs
@@ -171,19 +171,16 @@ def aligned(t: torch.Tensor, name: str) -> torch.Tensor:
 
 def _length_operands(graph, lengths: Lengths, device: torch.device) -> list:
     """Per-batch lengths and ragged offsets, computed on the device (no host reads). Packed: about
-    ten small kernels, so they are kept on ``cu_seqlens_q`` (see :mod:`~cudnn_attention.tensor_memo`):
+    ten small kernels, so they are kept in the batch (:meth:`~cudnn_attention.packed_batch.PackedBatch.derived`):
     every layer of a forward and every backward of the same batch reuses them. An unpadded dense call whose graph has a
     padding mask (an erratum's reroute) passes full lengths."""
-    cu_seqlens_q, cu_seqlens_kv = lengths.cu_seqlens_q, lengths.cu_seqlens_kv
-    if cu_seqlens_q is None:
+    batch = lengths.batch
+    if batch is None:
         if lengths.seqlens_q is None:
             return [] if graph.full_lengths is None else _full_lengths(graph.full_lengths, device)
         return [aligned(lengths.seqlens_q, "seqlens_q"), aligned(lengths.seqlens_kv, "seqlens_kv")]
-    return _memoized(
-        cu_seqlens_q,
-        cu_seqlens_kv,
-        ("ragged operands", graph.batch, graph.ragged_columns),
-        lambda: _ragged_operands(graph, cu_seqlens_q, cu_seqlens_kv),
+    return batch.derived(
+        ("ragged operands", graph.batch, graph.ragged_columns), lambda: _ragged_operands(graph, batch.cu_seqlens_q, batch.cu_seqlens_kv)
     )
 
 
@@ -202,20 +199,6 @@ def _full_lengths(shape: tuple, device: torch.device) -> list:
             return operands  # from the capture's pool: not to be kept past it
         _full_length_operands[key] = operands
     return operands
-
-
-def _memoized(cu_seqlens_q, cu_seqlens_kv, key: tuple, compute):
-    """``compute()``, kept on the prefix sums for this stream; not while capturing a CUDA graph,
-    whose kernels must read tensors from its own memory pool."""
-    if cu_seqlens_q.is_cuda:
-        if torch.cuda.is_current_stream_capturing():
-            return compute()
-        key += (_compat.current_raw_stream(cu_seqlens_q.get_device()),)
-    value = tensor_memo.recall(cu_seqlens_q, key, cu_seqlens_kv)
-    if value is None:
-        value = compute()
-        tensor_memo.remember(cu_seqlens_q, key, value, cu_seqlens_kv)
-    return value
 
 
 def _ragged_operands(graph, cu_seqlens_q, cu_seqlens_kv) -> list:
@@ -252,16 +235,14 @@ def _packed_absent_rows(cu_seqlens_rows, cu_seqlens_other, tokens: int) -> torch
     return ~has_other[document_T].unsqueeze(-1)
 
 
-def _absent_rows(lengths: Lengths, tokens_q: int, tokens_kv: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _absent_rows(batch) -> tuple[torch.Tensor, torch.Tensor]:
     """``(absent_q, absent_kv)``, (T, 1) bool each (:func:`_packed_absent_rows` of either side), derived together once per
     batch: at its first call (a forward, where memory is low), not at the first backward, whose peak the temporaries of
     the derivation would raise."""
-    cu_seqlens_q, cu_seqlens_kv = lengths.cu_seqlens_q, lengths.cu_seqlens_kv
-    return _memoized(
-        cu_seqlens_q,
-        cu_seqlens_kv,
-        ("absent rows", tokens_q, tokens_kv),
-        lambda: (_packed_absent_rows(cu_seqlens_q, cu_seqlens_kv, tokens_q), _packed_absent_rows(cu_seqlens_kv, cu_seqlens_q, tokens_kv)),
+    cu_q, cu_kv = batch.cu_seqlens_q, batch.cu_seqlens_kv
+    return batch.derived(
+        ("absent rows",),
+        lambda: (_packed_absent_rows(cu_q, cu_kv, batch.tokens_q), _packed_absent_rows(cu_kv, cu_q, batch.tokens_kv)),
     )
 
 
@@ -277,20 +258,25 @@ def _absent_rows(lengths: Lengths, tokens_q: int, tokens_kv: int) -> tuple[torch
 _PASS_AFTER_MIN_ELEMENTS = 1 << 22
 
 
-def _rows_set_after(q: torch.Tensor, lengths: Lengths) -> bool:
+def _writes_every_row(graph, lengths: Lengths) -> bool:
+    """Whether the kernels of this packed call write every row (see :meth:`~cudnn_attention.packed_batch.PackedBatch.writes_every_row`)."""
+    return lengths.batch is not None and lengths.batch.writes_every_row(graph.mask)
+
+
+def _rows_set_after(graph, q: torch.Tensor, lengths: Lengths) -> bool:
     """Whether this packed call's unwritten rows are set after its kernels (:func:`_set_unwritten_rows`), not filled first."""
-    return lengths.cu_seqlens_q is not None and not lengths.covers_every_token and q.numel() >= _PASS_AFTER_MIN_ELEMENTS
+    return lengths.batch is not None and not _writes_every_row(graph, lengths) and q.numel() >= _PASS_AFTER_MIN_ELEMENTS
 
 
-def _set_unwritten_rows(lengths: Lengths, q, k, query_fills: list, key_fills: tuple | list = ()) -> None:
+def _set_unwritten_rows(graph, lengths: Lengths, query_fills: list, key_fills: tuple | list = ()) -> None:
     """Set the rows the packed kernels left unwritten: ``(tensor, value)`` of the query side's outputs (O, the LSE, dQ)
     and of the key side's (dK, dV). One prefix-sum tensor leaves only its tail; two may also leave the queries of a
     document without keys (cuDNN 9.19 was seen to write the keys of a document without queries; they are set all the
     same, as nothing promises it: ``benchmarks/unwritten_rows.py``)."""
-    if lengths.leaves_only_a_tail:
+    if lengths.batch.leaves_only_a_tail(graph.mask):
         fill_past_last_document(lengths.cu_seqlens_q, [*query_fills, *key_fills])
         return
-    absent_q, absent_kv = _absent_rows(lengths, q.shape[0], k.shape[0])
+    absent_q, absent_kv = _absent_rows(lengths.batch)
     fill_rows([(t, absent_q, value) for t, value in query_fills] + [(t, absent_kv, value) for t, value in key_fills])
 
 
@@ -299,9 +285,9 @@ def run_forward(plan, q, k, v, sinks, lengths: Lengths, need_lse: bool):
     graph, folds = plan.forward, plan.folds_sinks
     seqlens_q = lengths.seqlens_q
     padded, packed = seqlens_q is not None, lengths.cu_seqlens_q is not None
-    every_row = lengths.covers_every_token
+    every_row = _writes_every_row(graph, lengths)
     # The fold writes every row, absent ones as zero and -inf: a packed out and LSE need no fill then.
-    set_after = _rows_set_after(q, lengths) and not folds
+    set_after = _rows_set_after(graph, q, lengths) and not folds
     out, lse = allocate_forward_outputs(
         q,
         v,
@@ -324,7 +310,7 @@ def run_forward(plan, q, k, v, sinks, lengths: Lengths, need_lse: bool):
         if padded:
             absent = invalid_B1S1[..., 0]
         elif packed and not every_row:
-            absent = _absent_rows(lengths, q.shape[0], k.shape[0])[0]
+            absent = _absent_rows(lengths.batch)[0]
         fold_sinks(out, lse, sinks, absent)
         if not need_lse:
             lse = None
@@ -333,7 +319,7 @@ def run_forward(plan, q, k, v, sinks, lengths: Lengths, need_lse: bool):
         if lse is not None:
             lse.masked_fill_(invalid_B1S1[..., 0], float("-inf"))
     elif set_after:
-        _set_unwritten_rows(lengths, q, k, [(out, 0.0)] + ([(lse, float("-inf"))] if lse is not None else []))
+        _set_unwritten_rows(graph, lengths, [(out, 0.0)] + ([(lse, float("-inf"))] if lse is not None else []))
     count_cudnn("forward")
     return out, lse
 
@@ -347,8 +333,8 @@ def run_backward(graph, grad_out, q, k, v, out, lse, sinks, lengths: Lengths, gr
     operands (:func:`_lse_gradient_operands`), whose dQ and dK are exactly the LSE's share."""
     invalid_B1S1 = None if lengths.seqlens_q is None else _padding_rows(lengths.seqlens_q, q.shape[2])
     packed = lengths.cu_seqlens_q is not None
-    set_after = _rows_set_after(q, lengths)
-    zero_tails = not (lengths.covers_every_token or set_after)
+    set_after = _rows_set_after(graph, q, lengths)
+    zero_tails = not (_writes_every_row(graph, lengths) or set_after)
     length_operands = _length_operands(graph, lengths, q.device)
     dq = dk = dv = dsinks = None
     if grad_out is not None:
@@ -387,7 +373,7 @@ def run_backward(graph, grad_out, q, k, v, out, lse, sinks, lengths: Lengths, gr
     if invalid_B1S1 is not None:
         dq.masked_fill_(invalid_B1S1, 0)
     elif set_after:
-        _set_unwritten_rows(lengths, q, k, [(dq, 0.0)], [(dk, 0.0), (dv, 0.0)])
+        _set_unwritten_rows(graph, lengths, [(dq, 0.0)], [(dk, 0.0), (dv, 0.0)])
     count_cudnn("backward")
     return dq, dk, dv, dsinks
 

@@ -14,20 +14,47 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["MaskSpec", "effective_lengths", "is_int_window", "make_mask_spec", "sees_at_most_one_key", "visible_keys"]
+__all__ = ["MaskSpec", "effective_lengths", "is_int_window", "make_mask_spec", "visible_keys"]
 
 
 class MaskSpec(NamedTuple):
-    """A normalized mask: ``left``/``right`` in FlashAttention's convention (-1 = unbounded).
-    A NamedTuple: it is part of every graph-cache key, and hashing a tuple costs nothing in Python."""
+    """A normalized mask: ``left``/``right`` in FlashAttention's convention (-1 = unbounded), and the diagonal's alignment.
+    A NamedTuple: it is part of every graph-cache key, and hashing a tuple costs nothing in Python.
+
+    Everything a mask means lives here, so a new kind of mask is a change to this class (and to the tests' independent
+    reference), not to the layers it crosses: its arguments in the ops' flat form (:data:`OP_SCHEMA`, :meth:`op_args`,
+    :meth:`from_op_args`), its cuDNN translation (:meth:`cudnn_diagonal`), which keys a row sees (:func:`visible_keys`),
+    how many pairs that is (:meth:`visible_pairs`, the FLOP formulas' count) and the rule the packed row passes rely on
+    (:attr:`keeps_diagonal`).
+    """
 
     left: int = -1
     right: int = -1
     bottom_right: bool = False
 
+    # The ops' arguments that carry a mask (see cudnn_attention.call.OP_TAIL_SCHEMA): its fields, by these names.
+    OP_SCHEMA = "int window_left=-1, int window_right=-1, bool bottom_right=False"
+
     @property
     def has_band(self) -> bool:
         return self.left >= 0 or self.right >= 0
+
+    @property
+    def keeps_diagonal(self) -> bool:
+        """Whether every query row of a sequence with equal query and key lengths sees its own diagonal key. Then one
+        prefix-sum tensor for both sides that covers every token leaves the packed kernels no row to skip: every
+        document with queries has keys, and every key is seen by its own query (:mod:`cudnn_attention.packed_rows`
+        relies on it). True of every band, since both bounds are -1 or >= 0."""
+        return self.left >= -1 and self.right >= -1
+
+    def op_args(self) -> dict:
+        """The mask as the ops take it (:data:`OP_SCHEMA`)."""
+        return {"window_left": self.left, "window_right": self.right, "bottom_right": self.bottom_right}
+
+    @classmethod
+    def from_op_args(cls, window_left: int = -1, window_right: int = -1, bottom_right: bool = False) -> MaskSpec:
+        """The mask from the ops' arguments (:meth:`op_args`), which hold it normalized already."""
+        return cls(window_left, window_right, bool(bottom_right))
 
     def cudnn_bounds(self) -> tuple[int | None, int | None]:
         """cuDNN's ``(diagonal_band_left_bound, diagonal_band_right_bound)``.
@@ -36,6 +63,43 @@ class MaskSpec(NamedTuple):
         ``left = w`` (w keys back plus self) becomes ``w + 1``; the right bound needs no offset.
         """
         return (self.left + 1 if self.left >= 0 else None, self.right if self.right >= 0 else None)
+
+    def cudnn_diagonal(self, cudnn) -> dict:
+        """The SDPA nodes' diagonal-band arguments for this mask (``cudnn``: the frontend module)."""
+        left_bound, right_bound = self.cudnn_bounds()
+        alignment = cudnn.diagonal_alignment.BOTTOM_RIGHT if self.bottom_right else cudnn.diagonal_alignment.TOP_LEFT
+        return dict(diagonal_band_left_bound=left_bound, diagonal_band_right_bound=right_bound, diagonal_alignment=alignment)
+
+    def sees_at_most_one_key(self, *, packed: bool, seq_kv: int) -> bool:
+        """Whether no query row can see more than one key, from the shapes and the mask alone: a dense call with one key,
+        or the band ``(0, 0)`` (each row its diagonal key). Without sinks such a row's softmax is the constant 1, so the
+        output's gradient reaches neither its scores nor q and k: dQ and dK are exactly zero."""
+        return (self.left == 0 and self.right == 0) or (not packed and seq_kv == 1)
+
+    def visible_pairs(self, len_q: int, len_kv: int) -> int:
+        """How many (query, key) pairs one sequence of these lengths computes. Exact, in constant time (a sequence of
+        10**6 tokens costs what one of 10 does)."""
+        if len_q <= 0 or len_kv <= 0:
+            return 0
+        offset = len_kv - len_q if self.bottom_right else 0
+        # Visible: offset - left <= j - i <= offset + right. The pairs up to the upper diagonal, less those below the lower.
+        upper = _pairs_up_to(offset + self.right, len_q, len_kv) if self.right >= 0 else len_q * len_kv
+        lower = _pairs_up_to(offset - self.left - 1, len_q, len_kv) if self.left >= 0 else 0
+        return upper - lower
+
+    def widest_row(self, len_kv: int) -> int:
+        """The most keys one row can see in a sequence of ``len_kv`` keys."""
+        return min(len_kv, self.left + self.right + 1) if self.left >= 0 and self.right >= 0 else len_kv
+
+
+def _pairs_up_to(diagonal: int, len_q: int, len_kv: int) -> int:
+    """Pairs ``(i, j)`` in the ``len_q`` x ``len_kv`` grid with ``j - i <= diagonal``: row ``i`` holds
+    ``clamp(i + diagonal + 1, 0, len_kv)`` of them, an arithmetic run clamped at both ends."""
+    first = diagonal + 1
+    rising = min(max(1 - first, 0), len_q)  # first row holding at least one pair
+    full = min(max(len_kv - first, rising), len_q)  # first row holding every key
+    n = full - rising
+    return n * (2 * (first + rising) + n - 1) // 2 + (len_q - full) * len_kv
 
 
 def _as_window(window_size) -> tuple[int, int]:
@@ -77,13 +141,6 @@ def _mask_spec(causal: bool, bottom_right: bool, window_size) -> MaskSpec:
 
 
 _memoized_mask_spec = functools.lru_cache(maxsize=256)(_mask_spec)
-
-
-def sees_at_most_one_key(mask: MaskSpec, *, packed: bool, seq_kv: int) -> bool:
-    """Whether no query row can see more than one key, from the shapes and the mask alone: a dense call with one key,
-    or the band ``(0, 0)`` (each row its diagonal key). Without sinks such a row's softmax is the constant 1, so the
-    output's gradient reaches neither its scores nor q and k: dQ and dK are exactly zero."""
-    return (mask.left == 0 and mask.right == 0) or (not packed and seq_kv == 1)
 
 
 def effective_lengths(len_q: torch.Tensor, len_kv: torch.Tensor, s_q: int, s_kv: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -16,6 +16,7 @@ from typing import NamedTuple
 
 import torch
 
+from . import dtypes
 from .call import AttentionCall, served_key
 from .cudnn_graphs import CompiledGraph, GraphRejected, frontend_unavailable_reason, graph_for, memoize, memoized
 
@@ -62,14 +63,15 @@ def resolve(q, k, v, call: AttentionCall) -> tuple[Plan | None, str | None]:
     path inside the op at run time, counted and warned about there. A plan is kept for the call value and the tensors' geometry
     (:func:`~cudnn_attention.call.served_key`).
     """
-    if q.device.type == "meta" and q.dtype in (torch.float16, torch.bfloat16):
+    if q.device.type == "meta" and dtypes.cudnn_serves(q.dtype, backward=call.needs_grad):
         # Nothing is computed on meta tensors: the op's fake kernel gives the outputs a GPU call would, and FLOP counters
         # (Lightning's measure_flops builds its model on meta) count the op by its masks, not the exact path's full products.
         return None, None
     if not q.is_cuda:
         return None, f"{q.device.type} tensors"
-    if q.dtype not in (torch.float16, torch.bfloat16):
-        return None, f"{q.dtype} inputs (cuDNN attention runs float16/bfloat16)"
+    if not dtypes.cudnn_serves(q.dtype, backward=call.needs_grad):
+        served = "/".join(str(dtype).removeprefix("torch.") for dtype in dtypes.cudnn_dtypes())
+        return None, f"{q.dtype} inputs (cuDNN attention runs {served})"
     if torch.compiler.is_compiling():
         return None, None
     unavailable = frontend_unavailable_reason()

@@ -18,20 +18,14 @@ from __future__ import annotations
 
 import torch
 
+from .dtypes import exact_math_dtype
 from .layouts import like_layout_strides
 from .masking import MaskSpec, visible_keys
 
-__all__ = ["dense_reference", "exact_attention", "math_dtype", "varlen_reference"]
+__all__ = ["dense_reference", "exact_attention", "varlen_reference"]
 
 # Documents processed together by the packed path: bounds the (chunk, H, S_q, S_kv) scores.
 _VARLEN_SCORE_BUDGET_BYTES = 256 * 2**20
-
-
-def math_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype the exact path computes ``dtype`` inputs in: float64 for float64, float32 for the rest. Applied to
-    the math's own dtype it also gives the LSE's and the gathered outputs' (float32 at least; float64 only for
-    float64 math, since a float64 LSE of float32 math would claim digits it does not have)."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def dense_reference(
@@ -48,7 +42,7 @@ def dense_reference(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention over (B, H, S, D) tensors. Returns ``(out in q's dtype, lse (B, H, Q))``.
 
-    ``compute_dtype``: None (the fallback) computes in :func:`math_dtype` of q's dtype; tests pass the
+    ``compute_dtype``: None (the fallback) computes in :func:`~cudnn_attention.dtypes.exact_math_dtype` of q's dtype; tests pass the
     input dtype to measure how far PyTorch's own low-precision math lands from fp32. ``lse`` is float64
     when the math is, else float32, and differentiable (through q, k and the sinks); its ``-inf`` rows
     pass no gradient on, whatever gradient reaches them.
@@ -58,8 +52,8 @@ def dense_reference(
     G = H // H_kv
     device = q_BHQD.device
     if compute_dtype is None:
-        compute_dtype = math_dtype(q_BHQD.dtype)
-    lse_dtype = math_dtype(compute_dtype)
+        compute_dtype = exact_math_dtype(q_BHQD.dtype)
+    lse_dtype = exact_math_dtype(compute_dtype)
     len_q_B = seqlens_q_B if seqlens_q_B is not None else torch.full((B,), Q, device=device)
     len_kv_B = seqlens_kv_B if seqlens_kv_B is not None else torch.full((B,), K, device=device)
     visible_B11QK = visible_keys(mask, len_q_B, len_kv_B, Q, K).view(B, 1, 1, Q, K)
@@ -125,9 +119,9 @@ def varlen_reference(
     B = cu_seqlens_q.numel() - 1
     device = q_THD.device
     if compute_dtype is None:
-        compute_dtype = math_dtype(q_THD.dtype)
+        compute_dtype = exact_math_dtype(q_THD.dtype)
     # Outputs are gathered in float32 at least (float64 for float64 math), then cast to q's dtype once.
-    gather_dtype = math_dtype(compute_dtype)
+    gather_dtype = exact_math_dtype(compute_dtype)
     cu_q = cu_seqlens_q.long()
     cu_kv = cu_seqlens_kv.long()
     len_kv_B = cu_kv[1:] - cu_kv[:-1]

@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from . import _compat, tensor_memo
+from . import _compat
 from .policy import note_copy
 
 __all__ = [
@@ -19,8 +19,6 @@ __all__ = [
     "check_qkv",
     "check_seqlens",
     "check_sinks",
-    "every_token_covered",
-    "note_every_token_covered",
     "nothing_to_compute",
     "positive_scale",
     "resolve_scale",
@@ -195,9 +193,11 @@ def check_prefix_sums(
     validate: bool,
     names: tuple[str, str, str, str] = ("cu_seqlens_q", "cu_seqlens_kv", "max_seqlen_q", "max_seqlen_kv"),
     cover_all: bool = False,
-) -> None:
+) -> bool:
     """Prefix sums start at 0, never decrease, end within T (exactly at T with ``cover_all``: every
     token is real, as in a transformers batch) and hold no document longer than ``max_seqlen``.
+    Returns whether a check ran (or is queued): False where none can (meta tensors, CUDA tensors while
+    compiling or capturing a CUDA graph).
 
     Bad ones would make the kernels read past q/k/v, silently truncate documents, or leave real
     tokens in no document. On the host (``validate=True``, or CPU tensors, where it costs no device
@@ -205,33 +205,28 @@ def check_prefix_sums(
     the two maxima, as the caller calls them) and the value. CUDA tensors are otherwise checked on
     the device: the check is queued on the stream ahead of the kernels, and a violation is a
     device-side assertion that stops the process before any attention kernel reads the bad offsets.
-    That check runs once per prefix-sum tensor and version (every layer of a forward shares one),
-    and not while compiling or capturing a CUDA graph (validate the batch where it is built, or
-    pass ``validate=True`` once). A compiled graph cannot branch on CPU tensors' values either, so
-    under ``torch.compile`` CPU prefix sums get the same assertion, in the graph, on every call (a
-    ``RuntimeError`` when it runs); ``validate=True`` reads them on the host, which a graph with
-    ``fullgraph=True`` cannot do.
+    A batch asks for it once per bounds (:class:`cudnn_attention.packed_batch.PackedBatch`, which every
+    layer of a forward shares), and not while compiling or capturing a CUDA graph (validate the batch
+    where it is built, or pass ``validate=True`` once). A compiled graph cannot branch on CPU tensors'
+    values either, so under ``torch.compile`` CPU prefix sums get the same assertion, in the graph, on
+    every call (a ``RuntimeError`` when it runs); ``validate=True`` reads them on the host, which a graph
+    with ``fullgraph=True`` cannot do.
     """
     if cu_seqlens_q.device.type == "meta":
-        return  # no values to check, and none computed from them (a meta call only propagates shapes)
+        return False  # no values to check, and none computed from them (a meta call only propagates shapes)
     compiling = torch.compiler.is_compiling()
     if validate or not (cu_seqlens_q.is_cuda or compiling):
         validate_cu_seqlens(cu_seqlens_q, names[0], total_q, max_seqlen_q, max_name=names[2], cover_all=cover_all)
         validate_cu_seqlens(cu_seqlens_kv, names[1], total_kv, max_seqlen_kv, max_name=names[3], cover_all=cover_all)
-        if cover_all:
-            note_every_token_covered(cu_seqlens_q, cu_seqlens_kv, total_q, total_kv)
-        return
+        return True
     if compiling:
-        if not cu_seqlens_q.is_cuda:  # no memo while compiling: checked per call, as eager checks CPU tensors
+        if not cu_seqlens_q.is_cuda:  # checked per call, as eager checks CPU tensors
             _assert_prefix_sums(cu_seqlens_q, cu_seqlens_kv, total_q, total_kv, max_seqlen_q, max_seqlen_kv, names, cover_all)
-        return
+        return False
     if torch.cuda.is_current_stream_capturing():
-        return
-    key = ("prefix sums checked", total_q, total_kv, max_seqlen_q, max_seqlen_kv, cover_all)
-    if tensor_memo.recall(cu_seqlens_q, key, cu_seqlens_kv):
-        return
+        return False
     _assert_prefix_sums(cu_seqlens_q, cu_seqlens_kv, total_q, total_kv, max_seqlen_q, max_seqlen_kv, names, cover_all)
-    _remember_checked(cu_seqlens_q, cu_seqlens_kv, key)
+    return True
 
 
 def _assert_prefix_sums(cu_seqlens_q, cu_seqlens_kv, total_q, total_kv, max_seqlen_q, max_seqlen_kv, names, cover_all: bool) -> None:
@@ -247,37 +242,6 @@ def _assert_prefix_sums(cu_seqlens_q, cu_seqlens_kv, total_q, total_kv, max_seql
         f"cudnn_attention: invalid {names[0]}/{names[1]}: they must start at 0, never decrease, end "
         f"{'at' if cover_all else 'within'} the token count, and hold no document longer than {names[2]}/{names[3]}",
     )
-
-
-def _remember_checked(cu_seqlens_q, cu_seqlens_kv, key: tuple) -> None:
-    """Keep the check queued for this tensor version: the transformers layer's ``cover_all`` check and the core's
-    that follows it in every layer must not run again each layer. A ``cover_all`` check also implies the plain
-    one with the same bounds."""
-    tensor_memo.remember(cu_seqlens_q, key, True, cu_seqlens_kv)
-    if key[-1]:
-        tensor_memo.remember(cu_seqlens_q, key[:-1] + (False,), True, cu_seqlens_kv)
-        note_every_token_covered(cu_seqlens_q, cu_seqlens_kv, key[1], key[2])
-
-
-_EVERY_TOKEN_COVERED = "every token in a document"
-
-
-def note_every_token_covered(cu_seqlens_q, cu_seqlens_kv, total_q: int, total_kv: int) -> None:
-    """Remember, for these tensors' current versions, that both prefix sums end exactly at their token
-    counts: checked on the host, built there (transformers' ``position_ids`` path), or queued on the
-    device by a ``cover_all`` check, whose failure stops the process before any kernel reads the result."""
-    tensor_memo.remember(cu_seqlens_q, (_EVERY_TOKEN_COVERED, total_q, total_kv), True, cu_seqlens_kv)
-
-
-def every_token_covered(cu_seqlens_q, cu_seqlens_kv, total_q: int, total_kv: int) -> bool:
-    """Whether :func:`note_every_token_covered` holds for these tensors as they are now. Never while
-    capturing a CUDA graph: a replay runs whatever batch is copied into the captured tensors. Never while
-    ``torch.compile`` traces: fake tensors carry no memo, and the op's kernel asks again of the real ones."""
-    if torch.compiler.is_compiling():
-        return False
-    if cu_seqlens_q.is_cuda and torch.cuda.is_current_stream_capturing():
-        return False
-    return tensor_memo.recall(cu_seqlens_q, (_EVERY_TOKEN_COVERED, total_q, total_kv), cu_seqlens_kv) is True
 
 
 def validate_cu_seqlens(

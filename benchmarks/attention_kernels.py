@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import cudnn_attention
-from cudnn_attention import environment, validation
+from cudnn_attention import environment
 from cudnn_attention.cudnn_graphs import built_plans, clear_cache
 
 
@@ -125,7 +125,7 @@ def covering_every_token(cu, tokens: int, max_len: int):
     """A copy of the prefix sums ``cu`` (q's and kv's alike) as the transformers layer hands them to the core:
     checked to end exactly at ``tokens``, so O, the LSE and dQ/dK/dV are allocated without their zero fill."""
     covered = cu.clone()
-    validation.check_prefix_sums(covered, covered, tokens, tokens, max_len, max_len, validate=False, cover_all=True)
+    cudnn_attention.packed_batch(covered, covered, max_len, max_len, tokens_q=tokens, tokens_kv=tokens, cover_all=True)
     return covered
 
 

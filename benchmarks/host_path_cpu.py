@@ -20,7 +20,7 @@ import torch
 from attention_kernels import host_us_in_turns
 from cudnn_attention import cudnn_ops, launch
 from cudnn_attention.call import NO_LENGTHS, AttentionCall
-from cudnn_attention.masking import make_mask_spec
+from cudnn_attention.masking import MaskSpec, make_mask_spec
 from cudnn_attention.plan import Plan
 
 
@@ -34,6 +34,7 @@ class _StandInGraph:
         self.workspace_size = 0
         self.full_lengths = None
         self.one_key_per_row = False
+        self.mask = MaskSpec()
 
 
 def _launch_stand_in(graph, operands, device_index) -> None:

@@ -22,16 +22,17 @@ from __future__ import annotations
 
 import torch
 
-from ... import tensor_memo, validation
+from ... import dtypes, tensor_memo
 from ...api import attention, varlen_attention
 from ...call import needs_grad as _needs_grad
+from ...packed_batch import packed_batch
 from ...policy import fallback_in_graph, fallback_output, note_fallback
 from .eager_fallback import eager_equivalent, keep_mask_4d
 from .mask_function import check_padding_mask, is_tracing, pad_keys, query_positions
 
 __all__ = ["cudnn_attention_forward"]
 
-_HALF = (torch.float16, torch.bfloat16)
+_HALF = dtypes.cudnn_dtypes()  # what mixed autocast inputs are cast to
 
 
 def cudnn_attention_forward(
@@ -305,8 +306,8 @@ def _user_packing(kwargs, tokens_q: int, tokens_k: int, device):
             f"return_flash_attn_kwargs=True) gives all four), got them without {missing}"
         )
     max_q, max_k = int(max_q), int(max_k)
-    max_q, max_k = validation.check_cu_seqlens(cu_q, cu_k, max_q, max_k, device, total_q=tokens_q, total_kv=tokens_k, names=_FLASH_KWARGS)
-    validation.check_prefix_sums(cu_q, cu_k, tokens_q, tokens_k, max_q, max_k, validate=False, cover_all=True, names=_FLASH_KWARGS)
+    # The batch is built (and checked) once: the core's calls of every layer find it again.
+    packed_batch(cu_q, cu_k, max_q, max_k, tokens_q=tokens_q, tokens_kv=tokens_k, device=device, cover_all=True, names=_FLASH_KWARGS)
     return cu_q, cu_k, max_q, max_k
 
 
@@ -335,8 +336,9 @@ def _packing_from_position_ids(position_ids, batch: int, q_len: int, kv_len: int
     packing = None
     if len(bounds) > 2:
         cu = torch.tensor(bounds, dtype=torch.int32, device=position_ids.device)
-        validation.note_every_token_covered(cu, cu, position_T.numel(), position_T.numel())  # built so: the kernels need no fill
         longest = max(end - start for start, end in zip(bounds, bounds[1:]))
+        # Built to cover every token: the check proves it to the core's batch (the kernels need no fill) at no host cost.
+        packed_batch(cu, cu, longest, longest, tokens_q=position_T.numel(), tokens_kv=position_T.numel(), cover_all=True)
         packing = ((cu, cu), (longest, longest))
     tensor_memo.remember(position_ids, "packing", (packing,))  # wrapped: None (no packing) is an answer too
     return packing

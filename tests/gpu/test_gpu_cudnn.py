@@ -128,10 +128,9 @@ def test_packed_outputs_without_their_fill_are_written_in_every_row(mask_name, s
     # Prefix sums that cover every token, one tensor for q and kv (a transformers batch; an empty document
     # among them): O, the LSE and dQ/dK/dV are allocated without their zero fill, so any row the kernels left
     # unwritten would read the poison.
-    from cudnn_attention import validation
 
     q, k, v, s, cu, _, mq, mk = _packed_case([*ODD_LENGTHS, 0, 40], sinks=sinks)
-    validation.check_prefix_sums(cu, cu, q.shape[0], k.shape[0], mq, mk, validate=False, cover_all=True)
+    cudnn_attention.packed_batch(cu, cu, mq, mk, tokens_q=q.shape[0], tokens_kv=k.shape[0], cover_all=True)
     fills = record_fills(monkeypatch)
     poison_allocator(q, k, v, torch.empty(q.shape[:2], device=DEVICE))
     out, grads = _check_packed(MASKS[mask_name], q, k, v, s, cu, cu, mq, mk)
@@ -141,14 +140,7 @@ def test_packed_outputs_without_their_fill_are_written_in_every_row(mask_name, s
 
 def test_the_poison_shows_a_fill_skipped_where_rows_are_unwritten(monkeypatch):
     # The test above is only as good as its poison: with the fill wrongly skipped for a capacity tail, the tail reads it.
-    from cudnn_attention import api, call
-    from cudnn_attention.call import Lengths
-
-    def covering(cu_q, cu_kv, tokens_q, tokens_kv):
-        return Lengths(cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv, covers_every_token=True)
-
-    monkeypatch.setattr(call, "packed_lengths", covering)
-    monkeypatch.setattr(api, "packed_lengths", covering)
+    monkeypatch.setattr(cudnn_attention.PackedBatch, "writes_every_row", lambda batch, mask: True)
     q, k, v, _, cu_q, cu_kv, mq, mk = _packed_case([50, 31], tail=7)
     poison_allocator(q, k, v)
     with torch.no_grad():

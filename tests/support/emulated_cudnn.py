@@ -28,7 +28,6 @@ import torch
 from cudnn_attention import _compat, cudnn_ops, launch
 from cudnn_attention import plan as plans
 from cudnn_attention.call import AttentionCall
-from cudnn_attention.masking import sees_at_most_one_key
 from cudnn_attention.plan import Plan
 from support.reference64 import _softmax_attention, dense_visibility, packed_visibility
 
@@ -56,7 +55,8 @@ class EmulatedGraph:
         self.batch = call.documents  # packed: the document count the length operands are padded to (here: not padded)
         self.ragged_columns = (("q", 1), ("kv", 1)) if call.packed else ()  # the prefix sums themselves, after the lengths
         self.full_lengths = None  # a dense graph with a padding mask for an unpadded call (an erratum's reroute): never here
-        self.one_key_per_row = sees_at_most_one_key(call.mask, packed=call.packed, seq_kv=call.max_seqlen_kv)
+        self.one_key_per_row = call.mask.sees_at_most_one_key(packed=call.packed, seq_kv=call.max_seqlen_kv)
+        self.mask = call.mask
 
 
 def plan_for(call: AttentionCall) -> Plan:

@@ -64,32 +64,17 @@ def in_fresh_thread(fn):
     return result[0]
 
 
-def _reference(q, k, v, cu_q, cu_kv, max_q, max_kv, scale, left, right, bottom_right):
-    mask = MaskSpec(left, right, bottom_right)
+def _reference(q, k, v, cu_q, cu_kv, max_q, max_kv, scale, mask: MaskSpec):
     if cu_q is None:
         return dense_reference(q, k, v, scale=scale, mask=mask)
     return varlen_reference(q, k, v, cu_q, cu_kv, max_q, max_kv, scale=scale, mask=mask)
 
 
 def standin_forward(
-    q,
-    k,
-    v,
-    sinks=None,
-    seqlens_q=None,
-    seqlens_kv=None,
-    cu_q=None,
-    cu_kv=None,
-    *,
-    scale,
-    max_seqlen_q=0,
-    max_seqlen_kv=0,
-    window_left=-1,
-    window_right=-1,
-    bottom_right=False,
-    need_lse=False,
+    q, k, v, sinks=None, seqlens_q=None, seqlens_kv=None, cu_q=None, cu_kv=None, *, scale, max_seqlen_q=0, max_seqlen_kv=0, **options
 ):
-    out, lse = _reference(q, k, v, cu_q, cu_kv, max_seqlen_q, max_seqlen_kv, scale, window_left, window_right, bottom_right)
+    need_lse = options.pop("need_lse", False)
+    out, lse = _reference(q, k, v, cu_q, cu_kv, max_seqlen_q, max_seqlen_kv, scale, MaskSpec.from_op_args(**options))
     return out, lse if need_lse else torch.empty(0)
 
 
@@ -110,12 +95,10 @@ def standin_backward(
     scale,
     max_seqlen_q=0,
     max_seqlen_kv=0,
-    window_left=-1,
-    window_right=-1,
-    bottom_right=False,
     deterministic=False,
+    **mask_options,
 ):
-    max_q, max_kv, left, right = max_seqlen_q, max_seqlen_kv, window_left, window_right
+    mask = MaskSpec.from_op_args(**mask_options)
     # The real backward reads lse with our forward's layout: (B, H, S) dense, (T, H) packed, contiguous.
     expected = (q.shape[0], q.shape[1]) if cu_q is not None else (q.shape[0], q.shape[1], q.shape[2])
     assert tuple(lse.shape) == expected and lse.is_contiguous() and lse.dtype == torch.float32, (lse.shape, lse.stride())
@@ -124,7 +107,7 @@ def standin_backward(
 
     def grads():
         inputs = [t.detach().requires_grad_() for t in (q, k, v)]
-        out, _ = _reference(*inputs, cu_q, cu_kv, max_q, max_kv, scale, left, right, bottom_right)
+        out, _ = _reference(*inputs, cu_q, cu_kv, max_seqlen_q, max_seqlen_kv, scale, mask)
         return torch.autograd.grad(out, inputs, grad_out)
 
     dq, dk, dv = in_fresh_thread(grads)

@@ -168,22 +168,6 @@ def test_strided_head_dim_is_copied_and_served():
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
 
 
-def test_prefix_sum_checks_are_remembered_per_tensor_version():
-    # CUDA prefix sums are checked on the device once per tensor version; the transformers layer's stricter check
-    # (every token covered) and the core's that follows it in each layer must not evict each other.
-    from cudnn_attention import tensor_memo
-    from cudnn_attention.validation import _remember_checked
-
-    cu_q, cu_kv = torch.tensor([0, 3, 8]), torch.tensor([0, 3, 8])
-    strict_key = ("prefix sums checked", 8, 8, 5, 5, True)
-    plain_key = ("prefix sums checked", 8, 8, 5, 5, False)
-    assert not tensor_memo.recall(cu_q, strict_key, cu_kv)
-    _remember_checked(cu_q, cu_kv, strict_key)
-    assert tensor_memo.recall(cu_q, strict_key, cu_kv) and tensor_memo.recall(cu_q, plain_key, cu_kv)
-    cu_q.add_(0)  # an in-place write is a new version: checked again
-    assert not tensor_memo.recall(cu_q, strict_key, cu_kv) and not tensor_memo.recall(cu_q, plain_key, cu_kv)
-
-
 def test_strided_sinks_reach_the_kernel_contiguous(served_on_cpu, monkeypatch):
     # The kernels read the sinks as H consecutive float32 values (cuDNN's (1, H, 1, 1) descriptor, the fold's sinks_ptr + h):
     # a strided view, e.g. every other entry of a fused parameter, would be read as the wrong logits without a word.

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import cudnn_attention
-from cudnn_attention import launch, validation
+from cudnn_attention import launch
 from cudnn_attention import plan as plans
 from support.emulated_cudnn import emulated
 from support.fill_spy import record_fills
@@ -35,7 +35,7 @@ def _run(monkeypatch, prefix_sums: str, sinks: bool):
     k, v = (torch.randn(T_kv, 2, 8, dtype=torch.float64, requires_grad=True) for _ in range(2))
     sink = torch.randn(4, dtype=torch.float64, requires_grad=True) if sinks else None
     if prefix_sums == "covering":  # as the transformers layer proves it of its batches
-        validation.check_prefix_sums(cu, cu, T, T, 7, 7, validate=True, cover_all=True)
+        cudnn_attention.packed_batch(cu, cu, 7, 7, tokens_q=T, tokens_kv=T, validate=True, cover_all=True)
     with emulated(monkeypatch), cudnn_attention.strict():
         out, lse = cudnn_attention.varlen_attention(q, k, v, cu, cu_kv, 7, 7, causal=True, window_size=(3, 0), sinks=sink, return_lse=True)
         leaves = [t for t in (q, k, v, sink) if t is not None]
