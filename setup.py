@@ -2,7 +2,7 @@
 
 Python's ``site`` runs the import line of each ``.pth`` file there at start-up; this one installs the hook that makes
 ``attn_implementation="cudnn"`` work in programs that never import cudnn_attention
-(integrations/hf/bootstrap/cudnn_attention_autoload.py; ``CUDNN_ATTENTION_NO_AUTOLOAD=1`` turns it off). setuptools
+(integrations/hf/bootstrap/cudnn_attention_autoload/__init__.py; ``CUDNN_ATTENTION_NO_AUTOLOAD=1`` turns it off). setuptools
 has no setting for a file at the root of a wheel, so build_py copies it there, and editable_wheel, whose wheel holds
 no build output but its import hook, adds it to that wheel. Everything else is in pyproject.toml.
 """

@@ -35,8 +35,7 @@ from .policy import (
     strict,
 )
 from .provider import ProviderConflictError, ProviderConflictWarning, ProviderHandle, enabled, install
-
-__version__ = "0.1.0"  # the one place: pyproject.toml reads it (dynamic version)
+from .version import __version__ as __version__  # the package face's version (attention/version.py)
 
 __all__ = [
     "CudnnAttentionCopyWarning",

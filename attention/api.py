@@ -14,10 +14,12 @@ import torch
 
 from . import plan as plans
 from . import validation
-from .call import NO_LENGTHS, Prepared, argument_options, packed_lengths, padding_lengths, prepare_dense, prepare_packed, served_key
+from .call import NO_LENGTHS, Prepared, packed_lengths, padding_lengths
+from .call_keys import argument_options, served_key
 from .cudnn_graphs import memoize, memoized
 from .cudnn_ops import cudnn_forward
 from .policy import fallback_in_graph, fallback_outputs, note_fallback
+from .prepare import prepare_dense, prepare_packed
 from .reference import exact_attention
 
 __all__ = ["attention", "serve", "varlen_attention"]

@@ -25,10 +25,12 @@ from __future__ import annotations
 import torch
 
 from . import _compat
-from .call import OP_TAIL_SCHEMA, AttentionCall, Lengths, from_op_args, op_args
-from .cudnn_graphs import GraphRejected
-from .launch import aligned, run_backward, run_forward
+from .call import AttentionCall, Lengths
+from .graph_build import GraphRejected
+from .launch import run_backward, run_forward
 from .layouts import allocate_backward_outputs, allocate_forward_outputs
+from .op_args import OP_TAIL_SCHEMA, from_op_args, op_args
+from .operands import aligned
 from .plan import Plan, backward_graph, build_plan
 from .policy import note_fallback
 from .reference import exact_attention

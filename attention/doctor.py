@@ -35,6 +35,7 @@ from .api import attention, varlen_attention
 from .masking import make_mask_spec
 from .policy import CudnnAttentionFallbackWarning, stats, strict
 from .reference import dense_reference, varlen_reference
+from .tolerance import within_lowp_noise
 
 __all__ = [
     "NO_GPU",
@@ -49,7 +50,6 @@ __all__ = [
     "quiet_fallbacks",
     "run_self_checks",
     "verdict",
-    "within_lowp_noise",
 ]
 
 NO_GPU = "no CUDA GPU: cuDNN paths cannot be checked"
@@ -80,17 +80,6 @@ def newer_cudnn_advice(cudnn_version: int | None, torch_cuda: str | None) -> lis
         "it works here.",
     ]
     return lines
-
-
-def within_lowp_noise(got: torch.Tensor, ref: torch.Tensor, lowp: torch.Tensor) -> tuple[float, float]:
-    """``(error, bound)``: ``got``'s largest error against the high-precision ``ref``, and the rule's bound, twice the
-    largest error of ``lowp`` (torch's own low-precision math) plus 1e-3 of ``ref``'s largest magnitude (FlashAttention's
-    rule, the GPU tests' too). NaN anywhere in ``got`` makes the error NaN, which no bound admits."""
-    ref = ref.double()
-    error = (got.double() - ref).abs().max().item() if got.numel() else 0.0
-    base = (lowp.double() - ref).abs().max().item() if lowp.numel() else 0.0
-    magnitude = ref.abs().max().item() if ref.numel() else 0.0
-    return error, 2 * base + 1e-3 * magnitude
 
 
 @dataclasses.dataclass

@@ -16,6 +16,8 @@ import platform
 
 import torch
 
+from .version import __version__
+
 __all__ = ["versions"]
 
 
@@ -55,7 +57,6 @@ def versions() -> dict:
     without a GPU), ``cudnn_frontend``, ``transformers``, ``lightning``, ``gpu`` (the name of the current CUDA device,
     or ``"cpu"``) and ``gpu_count``.
     """
-    from . import __version__
 
     cuda = torch.cuda.is_available()
     frontend, backend = _frontend()

@@ -11,7 +11,7 @@ project's own finding, the workaround and the test that shows it. Three kinds of
   refused in strict mode) instead of returning wrong values or faulting;
 * ``none``: this package's graphs never meet it (listed so users of the loaded cuDNN know it is there).
 
-The decision is made once per graph, from its :class:`~cudnn_attention.cudnn_graphs.GraphSpec` (host metadata: no
+The decision is made once per graph, from its :class:`~cudnn_attention.graph_spec.GraphSpec` (host metadata: no
 device value is read) and the version of the cuDNN library the frontend loaded (``cudnn.backend_version()``), so a
 rerouted or refused call costs nothing per call beyond the graph it runs. A data condition (a row whose log-sum-exp
 is below -88.7) cannot be known without reading the data, so every call of an affected graph class is rerouted.

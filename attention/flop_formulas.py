@@ -52,7 +52,7 @@ def attention_pairs(
     leaves a side unbounded; causal is ``window_right = 0``), with ``i`` shifted by ``len_kv - len_q`` when
     ``bottom_right``: :meth:`cudnn_attention.masking.MaskSpec.visible_pairs`, per sequence.
     """
-    mask = MaskSpec.from_op_args(window_left, window_right, bottom_right)
+    mask = MaskSpec(window_left, window_right, bool(bottom_right))
     return sum(mask.visible_pairs(int(n_q), int(n_kv)) for n_q, n_kv in zip(lengths_q, lengths_kv))
 
 
@@ -110,7 +110,7 @@ def _packed_pairs(bound: dict, mask: MaskSpec) -> int:
 def _visible_pairs_and_dims(bound: dict) -> tuple[int, int, int, int]:
     """``(visible pairs per query head, query heads, D, D_v)`` of a forward or backward call."""
     q, v = bound["q"], bound["v"]
-    mask = MaskSpec.from_op_args(bound["window_left"], bound["window_right"], bound["bottom_right"])
+    mask = MaskSpec.from_op_args(bound)
     if bound.get("cu_seqlens_q") is not None:
         pairs = _packed_pairs(bound, mask)
     else:
@@ -135,7 +135,7 @@ def backward_flops(*args, out_val=None, **kwargs) -> int:
     """FLOPs of one ``cudnn_attention::backward`` call: ``2 * (3 D + 2 D_v)`` per visible pair per query head, torch's
     count for its SDPA backward, with the pairs and bounds of :func:`forward_flops`. One count per call, whichever
     gradients arrive: a loss that uses both the output and the LSE costs cuDNN one more launch of its backward graph
-    (see ``launch._lse_gradient_operands``), which is not counted; the math needs no more products."""
+    (see ``lse_gradient.lse_gradient_operands``), which is not counted; the math needs no more products."""
     pairs, heads, d_qk, d_v = _visible_pairs_and_dims(_bind(torch.ops.cudnn_attention.backward, args, kwargs))
     return pairs * heads * 2 * (3 * d_qk + 2 * d_v)
 

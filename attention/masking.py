@@ -32,8 +32,9 @@ class MaskSpec(NamedTuple):
     right: int = -1
     bottom_right: bool = False
 
-    # The ops' arguments that carry a mask (see cudnn_attention.call.OP_TAIL_SCHEMA): its fields, by these names.
+    # The ops' arguments that carry a mask (see cudnn_attention.op_args.OP_TAIL_SCHEMA): its fields, by these names.
     OP_SCHEMA = "int window_left=-1, int window_right=-1, bool bottom_right=False"
+    OP_FIELDS = {"window_left": "left", "window_right": "right", "bottom_right": "bottom_right"}  # op argument -> field
 
     @property
     def has_band(self) -> bool:
@@ -49,12 +50,13 @@ class MaskSpec(NamedTuple):
 
     def op_args(self) -> dict:
         """The mask as the ops take it (:data:`OP_SCHEMA`)."""
-        return {"window_left": self.left, "window_right": self.right, "bottom_right": self.bottom_right}
+        return {name: getattr(self, field) for name, field in self.OP_FIELDS.items()}
 
     @classmethod
-    def from_op_args(cls, window_left: int = -1, window_right: int = -1, bottom_right: bool = False) -> MaskSpec:
-        """The mask from the ops' arguments (:meth:`op_args`), which hold it normalized already."""
-        return cls(window_left, window_right, bool(bottom_right))
+    def from_op_args(cls, arguments: dict) -> MaskSpec:
+        """The mask from the ops' arguments (:meth:`op_args`, which hold it normalized already): the entries of
+        ``arguments`` named in :data:`OP_FIELDS` (absent ones at their defaults); the others are not read."""
+        return cls(**{field: arguments[name] for name, field in cls.OP_FIELDS.items() if name in arguments})
 
     def cudnn_bounds(self) -> tuple[int | None, int | None]:
         """cuDNN's ``(diagonal_band_left_bound, diagonal_band_right_bound)``.

@@ -17,8 +17,11 @@ from typing import NamedTuple
 import torch
 
 from . import dtypes
-from .call import AttentionCall, served_key
-from .cudnn_graphs import CompiledGraph, GraphRejected, frontend_unavailable_reason, graph_for, memoize, memoized
+from .call import AttentionCall
+from .call_keys import served_key
+from .cudnn_graphs import graph_for, memoize, memoized
+from .frontend import frontend_unavailable_reason
+from .graph_build import CompiledGraph, GraphRejected
 
 __all__ = ["Plan", "backward_graph", "build_plan", "resolve", "sink_forward"]
 
@@ -95,7 +98,7 @@ def _asks_sink_engine(call: AttentionCall) -> bool:
 
 
 def build_plan(q, k, v, call: AttentionCall, *, deterministic: bool) -> Plan:
-    """The plan for ``call`` (raises :class:`~cudnn_attention.cudnn_graphs.GraphRejected`).
+    """The plan for ``call`` (raises :class:`~cudnn_attention.graph_build.GraphRejected`).
 
     Sinks: cuDNN's sink engine (dense calls, by default), which declines some shapes (9.19: a single query row,
     ``s_q == 1``, every gpt-oss decode step), or the sink-less graph plus the fold (packed calls, by default),
@@ -117,5 +120,5 @@ def build_plan(q, k, v, call: AttentionCall, *, deterministic: bool) -> Plan:
 
 
 def backward_graph(q, k, v, call: AttentionCall, *, deterministic: bool) -> CompiledGraph:
-    """The backward graph for ``call`` (raises :class:`~cudnn_attention.cudnn_graphs.GraphRejected`)."""
+    """The backward graph for ``call`` (raises :class:`~cudnn_attention.graph_build.GraphRejected`)."""
     return graph_for("backward", call, q, k, v, deterministic=deterministic)

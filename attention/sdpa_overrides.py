@@ -25,9 +25,11 @@ import torch
 
 from . import plan as plans
 from . import validation
-from .call import Prepared, op_args, prepare_aten
+from .call import Prepared
 from .cudnn_ops import cudnn_backward
+from .op_args import op_args
 from .policy import count_provider
+from .prepare import prepare_aten
 
 __all__ = ["VarlenCall", "VarlenSignature", "sdpa_backward", "sdpa_forward", "varlen_kernels"]
 

@@ -7,7 +7,7 @@
 
 Each shape runs one causal forward and backward through cudnn_attention itself while every launch's graph and
 operands are recorded; each recorded graph is then built again with every plan heuristics A and B and the fallback
-list offer (``cudnn_graphs.every_plan``: the same spec, so the same tensors, strides, masks and ragged offsets) and
+list offer (``graph_build.every_plan``: the same spec, so the same tensors, strides, masks and ragged offsets) and
 each plan is timed on the recorded operands (CUDA events, the median of 5 means of 10 calls, after 3 warm-up). Two rows
 more per graph: the served plan through the project's own launch (``launch.execute``, the path every call takes), and,
 for the forward, the whole public call (``cudnn_attention.attention``/``varlen_attention`` with grad on, which adds the
@@ -28,7 +28,7 @@ import cudnn  # noqa: E402
 
 import cudnn_attention  # noqa: E402
 from attention_kernels import CASES, Case, cuda_time_ms, make_inputs  # noqa: E402 (this folder is on sys.path when run)
-from cudnn_attention import cudnn_graphs, launch  # noqa: E402
+from cudnn_attention import frontend, graph_build, launch  # noqa: E402
 
 
 @contextlib.contextmanager
@@ -56,7 +56,7 @@ def time_every_plan(graph, operands: list, title: str, flops: float, implementat
     print(f"  served:  {graph.plan_name:30s} {served:.3f} ms  {flops / served / 1e9:.0f} TF/s  (launch.execute, the project's path)")
     for implementation in implementations:
         try:
-            every = cudnn_graphs.every_plan(graph.spec._replace(implementation=implementation))
+            every = graph_build.every_plan(graph.spec._replace(implementation=implementation))
         except Exception as exc:  # noqa: BLE001 - an implementation this cuDNN or frontend lacks says so
             print(f"  implementation {implementation}: not built: {str(exc).splitlines()[0][:160]}")
             continue
@@ -64,7 +64,7 @@ def time_every_plan(graph, operands: list, title: str, flops: float, implementat
 
 
 def _time_plans(every, graph, operands: list, flops: float, served: float, implementation: str) -> None:
-    g, handle = every.graph, launch.bound_handle(graph.spec.device_index)[0]
+    g, handle = every.graph, frontend.bound_handle(graph.spec.device_index)[0]
     n = g.get_execution_plan_count()
     ws = torch.empty(max([g.get_workspace_size_plan_at_index(i) for i in range(n)] + [1]), device="cuda", dtype=torch.uint8)
     print(f"  implementation {implementation}: {n} plans")

@@ -24,8 +24,9 @@ if not torch.cuda.is_available():
 
 import cudnn_attention  # noqa: E402
 from attention_kernels import cuda_time_ms  # noqa: E402 (this folder is on sys.path when run)
-from cudnn_attention import cudnn_graphs, errata, launch  # noqa: E402
+from cudnn_attention import cudnn_graphs, errata, graph_spec  # noqa: E402
 from cudnn_attention.environment import versions  # noqa: E402
+from cudnn_attention.frontend import cudnn_version  # noqa: E402
 
 SHAPES = [(576, 1, 16, 16, 64), (1088, 2, 16, 16, 64), (4160, 1, 32, 8, 128)]  # S, B, H, H_kv, D (non-causal: encoders, vision)
 
@@ -45,14 +46,14 @@ def _step(S, B, H, H_kv, D):
 
 
 def _timed(shape, *, reroute: bool) -> float:
-    around = cudnn_graphs._around_errata
+    around = graph_spec._around_errata
     if not reroute:
-        cudnn_graphs._around_errata = lambda spec: spec
+        graph_spec._around_errata = lambda spec: spec
     cudnn_graphs.clear_cache()
     try:
         return cuda_time_ms(_step(*shape))
     finally:
-        cudnn_graphs._around_errata = around
+        graph_spec._around_errata = around
         cudnn_graphs.clear_cache()
 
 
@@ -61,7 +62,7 @@ def main(argv=None) -> list[str]:
     parser.add_argument("--out", type=Path, help="also write the table to OUT/errata_cost.md")
     args = parser.parse_args(argv)
     found = versions()
-    version = launch.cudnn_version()
+    version = cudnn_version()
     lines = [
         f"H200 errata workaround cost: torch {found['torch']}, cuDNN {errata.version_text(version)} (frontend {found['cudnn_frontend']}), "
         f"bf16, non-causal, fwd+bwd ms (median of 15 means of 10 calls)",

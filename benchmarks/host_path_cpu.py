@@ -19,18 +19,20 @@ import torch
 
 from attention_kernels import host_us_in_turns
 from cudnn_attention import cudnn_ops, launch
-from cudnn_attention.call import NO_LENGTHS, AttentionCall
+from cudnn_attention.call import NO_LENGTHS, AttentionCall, packed_lengths
 from cudnn_attention.masking import MaskSpec, make_mask_spec
 from cudnn_attention.plan import Plan
 
 
 class _StandInGraph:
-    """What the kernels read of a compiled graph (dense, S=128, D=64), with no frontend object behind it."""
+    """What the kernels read of a compiled graph (dense, S=128, D=64; or packed), with no frontend object behind it."""
 
-    def __init__(self, operands: int):
+    def __init__(self, operands: int, *, packed: bool = False):
         self.pointer_order = tuple(range(operands))
-        self.out_strides = (128 * 64, 128 * 64, 64, 1)
-        self.grad_strides = (self.out_strides,) * 3
+        self.out_strides = None if packed else (128 * 64, 128 * 64, 64, 1)
+        self.grad_strides = None if packed else (self.out_strides,) * 3
+        self.batch = 4  # packed: the bucketed document count
+        self.ragged_columns = (("q", 64), ("kv", 64))
         self.workspace_size = 0
         self.full_lengths = None
         self.one_key_per_row = False
@@ -68,9 +70,22 @@ def host_path_us(iters: int = 20000) -> dict:
         out, _ = forward(grad_plan, grad_call)
         grad_out = torch.randn_like(out)
         backward = _us(lambda: torch.autograd.grad(out, q, grad_out, retain_graph=True), iters // 4)
+        # A packed no-grad forward of four documents, every layer's call finding its batch's facts (checked prefix sums,
+        # derived lengths and offsets) from its prefix sums, as the public function's remembered path does.
+        packed_plan = Plan(_StandInGraph(6, packed=True), None, False, False)
+        packed_call = AttentionCall(packed=True, documents=4, max_seqlen_q=40, max_seqlen_kv=40, scale=0.125, mask=mask)
+        tokens = torch.randn(128, 1, 64, dtype=torch.bfloat16)
+        cu = torch.tensor([0, 40, 80, 100, 128], dtype=torch.int32)
+        with torch.no_grad():
+            packed = _us(
+                lambda: cudnn_ops.cudnn_forward(
+                    packed_plan, packed_call, tokens, tokens, tokens, sinks=None, lengths=packed_lengths(cu, cu, 128, 128)
+                ),
+                iters,
+            )
     finally:
         launch.execute = saved
-    return {"no-grad forward": no_grad, "grad forward": grad_forward, "backward": backward}
+    return {"no-grad forward": no_grad, "grad forward": grad_forward, "backward": backward, "packed no-grad forward": packed}
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -25,8 +25,9 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from ...doctor import Check, one_line, path_taken, quiet_fallbacks, verdict, within_lowp_noise
+from ...doctor import Check, one_line, path_taken, quiet_fallbacks, verdict
 from ...policy import stats
+from ...tolerance import within_lowp_noise
 from .registration import ATTN_IMPLEMENTATION, register
 
 __all__ = ["load_model", "model_checks"]

@@ -216,7 +216,7 @@ def check_strict(*, strict: bool, device) -> None:
             f"{flag('strict')} turns every call cuDNN cannot serve into an error, and without a GPU (device here: {device}) it serves "
             f"none: leave out {flag('strict')} to train on the exact fallback, or run on a GPU"
         )
-    from cudnn_attention.cudnn_graphs import frontend_unavailable_reason
+    from cudnn_attention.frontend import frontend_unavailable_reason
 
     reason = frontend_unavailable_reason()
     if reason is not None:

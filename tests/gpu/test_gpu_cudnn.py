@@ -560,7 +560,7 @@ def test_a_remembered_call_gives_the_fresh_calls_bits(monkeypatch, name):
 
 
 def test_kept_workspaces_are_per_stream():
-    from cudnn_attention import cudnn_graphs, launch
+    from cudnn_attention import cudnn_graphs, frontend
 
     q, k, v, _ = _dense_case("causal", 4, 64, torch.bfloat16)
     cudnn_graphs.clear_cache()
@@ -570,7 +570,7 @@ def test_kept_workspaces_are_per_stream():
     with torch.cuda.stream(side):
         got = cudnn_attention.attention(q, k, v, causal=True)
     torch.cuda.current_stream().wait_stream(side)
-    streams = {stream for _, stream in launch._workspaces}
+    streams = {stream for _, stream in frontend._workspaces}
     assert {torch.cuda.current_stream().cuda_stream, side.cuda_stream} <= streams
     assert torch.equal(want, got)
 

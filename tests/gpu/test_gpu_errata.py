@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import cudnn_attention
-from cudnn_attention import cudnn_graphs, errata, launch
+from cudnn_attention import cudnn_graphs, errata, graph_spec
+from cudnn_attention.frontend import cudnn_version
 from support.adversarial import anti_align
 from support.reference64 import evaluate_call
 
@@ -63,8 +64,8 @@ REPRODUCERS = {
 def test_the_table_matches_the_loaded_cudnn(key, monkeypatch):
     """With the reroute off, the reproducer's gradient is non-finite exactly where the table says the loaded cuDNN has the bug."""
     erratum = next(e for e in errata.ERRATA if e.key == key)
-    affected = erratum.applies_to(launch.cudnn_version())
-    monkeypatch.setattr(cudnn_graphs, "_around_errata", lambda spec: spec)
+    affected = erratum.applies_to(cudnn_version())
+    monkeypatch.setattr(graph_spec, "_around_errata", lambda spec: spec)
     cudnn_graphs.clear_cache()
     try:
         S_q, S_kv, D, H, H_kv, target, which = REPRODUCERS[key]
@@ -74,7 +75,7 @@ def test_the_table_matches_the_loaded_cudnn(key, monkeypatch):
         broken = not bool(torch.isfinite(grads[which]).all())
     finally:
         cudnn_graphs.clear_cache()
-    version = errata.version_text(launch.cudnn_version())
+    version = errata.version_text(cudnn_version())
     said = "applies" if affected else "does not apply"
     assert broken == affected, f"cuDNN {version}: the table says {key} {said}, the reproducer says otherwise"
 
@@ -92,5 +93,5 @@ def test_the_rerouted_graph_is_the_padded_one_and_no_host_sync():
     warm_and_run(step)  # warm-up, then under torch.cuda.set_sync_debug_mode("error")
     specs = [spec for spec in cudnn_graphs._cache if spec.direction == "backward" and spec.seq_kv == 576]
     assert len(specs) == 1
-    rerouted = errata.matching(specs[0]._replace(padded=False), launch.cudnn_version()) is not None
+    rerouted = errata.matching(specs[0]._replace(padded=False), cudnn_version()) is not None
     assert specs[0].padded == rerouted  # padded exactly on the versions the table calls affected

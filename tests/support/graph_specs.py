@@ -1,11 +1,11 @@
-"""A :class:`~cudnn_attention.cudnn_graphs.GraphSpec` for tests that exercise the cache, its memo or its verdicts without a
+"""A :class:`~cudnn_attention.graph_spec.GraphSpec` for tests that exercise the cache, its memo or its verdicts without a
 frontend: one small causal bf16 forward graph, with whatever fields a test changes."""
 
 from __future__ import annotations
 
 import torch
 
-from cudnn_attention.cudnn_graphs import GraphSpec
+from cudnn_attention.graph_spec import GraphSpec
 from cudnn_attention.masking import MaskSpec
 
 __all__ = ["graph_spec"]

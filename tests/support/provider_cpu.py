@@ -74,7 +74,7 @@ def standin_forward(
     q, k, v, sinks=None, seqlens_q=None, seqlens_kv=None, cu_q=None, cu_kv=None, *, scale, max_seqlen_q=0, max_seqlen_kv=0, **options
 ):
     need_lse = options.pop("need_lse", False)
-    out, lse = _reference(q, k, v, cu_q, cu_kv, max_seqlen_q, max_seqlen_kv, scale, MaskSpec.from_op_args(**options))
+    out, lse = _reference(q, k, v, cu_q, cu_kv, max_seqlen_q, max_seqlen_kv, scale, MaskSpec.from_op_args(options))
     return out, lse if need_lse else torch.empty(0)
 
 
@@ -98,7 +98,7 @@ def standin_backward(
     deterministic=False,
     **mask_options,
 ):
-    mask = MaskSpec.from_op_args(**mask_options)
+    mask = MaskSpec.from_op_args(mask_options)
     # The real backward reads lse with our forward's layout: (B, H, S) dense, (T, H) packed, contiguous.
     expected = (q.shape[0], q.shape[1]) if cu_q is not None else (q.shape[0], q.shape[1], q.shape[2])
     assert tuple(lse.shape) == expected and lse.is_contiguous() and lse.dtype == torch.float32, (lse.shape, lse.stride())

@@ -6,17 +6,9 @@ against an fp32 reference); ``support.reference64.compare_tensors`` (against flo
 
 import torch
 
+from cudnn_attention.tolerance import noise_bound  # the rule itself: the package's doctor applies the same one
+
 __all__ = ["assert_within_lowp_noise", "lowp_noise_bound", "noise_bound"]
-
-
-def noise_bound(base: float, magnitude: float, *, floor_rel: float = 1e-3, implied: float = 0.0) -> float:
-    """The rule: ``2 * base + implied + floor_rel * magnitude``.
-
-    ``base`` is the error of the same math in low precision against the reference, ``magnitude`` the reference's
-    size the slack is relative to, and ``implied`` an error the result must carry because of an input already judged
-    on its own (see ``support.reference64.implied_qk_errors``); it adds to the bound, not doubled.
-    """
-    return 2 * base + implied + floor_rel * magnitude
 
 
 def lowp_noise_bound(ref: torch.Tensor, lowp: torch.Tensor) -> float:

@@ -41,14 +41,14 @@ def test_a_warnings_filter_silences_the_copy_note():
 
 def test_a_misaligned_operand_is_copied_aligned_and_said_once(caplog):
     # cuDNN descriptors need a 16-byte aligned base: an odd offset is copied before the launch, said once, not logged.
-    from cudnn_attention import launch
+    from cudnn_attention import operands
 
     cudnn_attention.reset_stats()
     misaligned = torch.zeros(4 * 8 + 1, dtype=torch.bfloat16)[1:].view(4, 8)
     assert misaligned.data_ptr() % 16
     with caplog.at_level(logging.DEBUG, logger="cudnn_attention"), warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        copies = [launch.aligned(misaligned, "q") for _ in range(3)]
+        copies = [operands.aligned(misaligned, "q") for _ in range(3)]
     said = [str(w.message) for w in seen if issubclass(w.category, CudnnAttentionCopyWarning)]
     assert said == ["cudnn_attention: copying q to a 16-byte aligned buffer on each such call (said once)"], said
     assert all(copy.data_ptr() % 16 == 0 and torch.equal(copy, misaligned) for copy in copies)

@@ -5,9 +5,11 @@ serves it). On CPU with a stand-in frontend version, so nothing is built; the GP
 import pytest
 import torch
 
-from cudnn_attention import cudnn_graphs, doctor, errata, launch
+from cudnn_attention import cudnn_graphs, doctor, errata, graph_build, operands
+from cudnn_attention import graph_spec as graph_specs
 from cudnn_attention.call import AttentionCall, Lengths
-from cudnn_attention.cudnn_graphs import GraphRejected, spec_for
+from cudnn_attention.graph_build import GraphRejected
+from cudnn_attention.graph_spec import spec_for
 from cudnn_attention.masking import MaskSpec
 from support.graph_specs import graph_spec
 
@@ -83,11 +85,11 @@ def _dense_call(S_q, S_kv, mask, *, padded=False):
 
 def test_spec_for_builds_the_padded_variant_on_affected_versions_only(monkeypatch):
     call, q, k, v = _dense_call(576, 576, FULL)  # a vision tower's 576 patches
-    monkeypatch.setattr(launch, "cudnn_version", lambda: V919)
+    monkeypatch.setattr(graph_specs, "cudnn_version", lambda: V919)
     rerouted = spec_for("backward", call, q, k, v, deterministic=False)
     assert rerouted.padded and not spec_for("forward", call, q, k, v, deterministic=False).padded
     assert rerouted == spec_for("backward", call.replace(padded=True), q, k, v, deterministic=False)  # the same graph
-    monkeypatch.setattr(launch, "cudnn_version", lambda: V926)
+    monkeypatch.setattr(graph_specs, "cudnn_version", lambda: V926)
     assert not spec_for("backward", call, q, k, v, deterministic=False).padded
 
 
@@ -95,17 +97,17 @@ def test_an_unpadded_call_on_a_padded_graph_passes_full_lengths_once_made():
     class Graph:
         full_lengths = (3, 5, 7)
 
-    first = launch._length_operands(Graph(), Lengths(), torch.device("cpu"))
+    first = operands.length_operands(Graph(), Lengths(), torch.device("cpu"))
     assert [t.tolist() for t in first] == [[5, 5, 5], [7, 7, 7]] and all(t.dtype == torch.int32 for t in first)
-    again = launch._length_operands(Graph(), Lengths(), torch.device("cpu"))
+    again = operands.length_operands(Graph(), Lengths(), torch.device("cpu"))
     assert all(a is b for a, b in zip(first, again))  # made once, not per call
 
 
 def test_refused_graphs_are_cached_rejections_before_anything_is_built(monkeypatch):
     built = []
-    monkeypatch.setattr(launch, "frontend", lambda: object())
-    monkeypatch.setattr(launch, "cudnn_version", lambda: V926)
-    monkeypatch.setattr(cudnn_graphs, "_on_a_fresh_stack", lambda *args: built.append(args))
+    monkeypatch.setattr(graph_build, "frontend", lambda: object())
+    monkeypatch.setattr(graph_build, "cudnn_version", lambda: V926)
+    monkeypatch.setattr(graph_build, "_on_a_fresh_stack", lambda *args: built.append(args))
     cudnn_graphs.clear_cache()
     try:
         for spec, text in (

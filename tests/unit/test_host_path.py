@@ -94,7 +94,7 @@ def test_cpu_host_benchmark_runs_the_served_path_and_puts_the_launch_back():
 
         launch = cudnn_launch.execute
         result = host_path_cpu.main(["--iters", "40"])
-        assert set(result) == {"no-grad forward", "grad forward", "backward"}, result
+        assert set(result) == {"no-grad forward", "grad forward", "backward", "packed no-grad forward"}, result
         assert all(0 < us < 1e5 for us in result.values()), result
         assert cudnn_launch.execute is launch
     """

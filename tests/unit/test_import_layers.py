@@ -146,3 +146,54 @@ def test_all_names_every_public_function_and_class_and_only_what_exists(name):
         pytest.skip(f"{name} imports {error.name}, not installed")
     absent = [public for public in declared if not hasattr(module, public)]
     assert not absent, f"{name}.__all__ names what it does not have: {absent}"
+
+
+# ----------------------------------------------------------------------------------------------
+# The core's modules import one another without a circle, and none imports the package face
+# ----------------------------------------------------------------------------------------------
+
+
+def core_import_graph() -> dict[str, set[str]]:
+    """``{module: core modules it imports}`` for every module of the core (the face included), imports in function bodies
+    too, read from the source."""
+    modules = {path.stem for path in CORE_DIR.glob("*.py")}
+    graph = {}
+    for path in sorted(CORE_DIR.glob("*.py")):
+        names = set()
+        for _, name in imported_names(path):
+            if name == "." or not name.startswith(".") or name.startswith(".."):
+                continue  # `from . import x` is listed as "." and ".x": x says what it imports
+            first = name[1:].split(".")[0]
+            names.add(first if first in modules else "__init__")  # `from . import __version__` reads the face
+        graph[path.stem] = {name for name in names if name in modules and name != path.stem}
+    return graph
+
+
+def _circle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+
+    def visit(module, path):
+        state[module] = 1
+        for imported in sorted(graph[module]):
+            if state.get(imported) == 1:
+                return path + [imported]
+            if not state.get(imported):
+                found = visit(imported, path + [imported])
+                if found:
+                    return found
+        state[module] = 2
+        return None
+
+    for module in sorted(graph):
+        if not state.get(module):
+            found = visit(module, [module])
+            if found:
+                return found
+    return None
+
+
+def test_the_core_imports_without_a_circle_and_never_its_face():
+    graph = core_import_graph()
+    assert not [module for module, imported in graph.items() if "__init__" in imported], "a core module imports the package face"
+    assert _circle(graph) is None, f"an import circle: {' -> '.join(_circle(graph))}"
+    assert _circle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]  # the guard can fail

@@ -17,7 +17,7 @@ import torch
 import cudnn_attention
 from cudnn_attention import cudnn_ops
 from cudnn_attention import plan as plans
-from cudnn_attention.launch import _lse_gradient_operands, _lse_sink_gradient, _masked_lse_gradient
+from cudnn_attention.lse_gradient import lse_gradient_operands, lse_sink_gradient, masked_lse_gradient
 from support.emulated_cudnn import emulated
 from support.reference64 import dense_visibility, evaluate_call, reference_attention
 
@@ -55,15 +55,15 @@ def test_extra_backward_gives_the_lse_gradient_float64(sinks):
     visible_BQK, _ = dense_visibility(B, S_q, S_kv, options["seqlens_q"], options["seqlens_kv"], causal=True, bottom_right=True)
     scores = scale * q.detach() @ k.detach().transpose(-1, -2)
     probs = torch.where(visible_BQK.unsqueeze(1), torch.exp(scores - lse.detach().unsqueeze(-1)), 0.0)
-    dlse = _masked_lse_gradient(grad_lse, lse.detach())
-    v_zero, o_unit, do_lse = _lse_gradient_operands(dlse, out.detach(), v.detach())
+    dlse = masked_lse_gradient(grad_lse, lse.detach())
+    v_zero, o_unit, do_lse = lse_gradient_operands(dlse, out.detach(), v.detach())
     assert v_zero.stride() == v.stride() and o_unit.stride() == do_lse.stride() == out.stride() and not v_zero.any()
     dq, dk, _ = _attention_backward(probs, q.detach(), k.detach(), v_zero, o_unit, do_lse, scale)  # dV' is no gradient
     torch.testing.assert_close(dq, want[0], rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(dk, want[1], rtol=1e-12, atol=1e-12)
     assert dq.abs().max() > 0.1, "a zero gradient would pass a comparison with a zero reference"
     if sinks:
-        torch.testing.assert_close(_lse_sink_gradient(dlse, lse.detach(), sink.detach()), want[2], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(lse_sink_gradient(dlse, lse.detach(), sink.detach()), want[2], rtol=1e-12, atol=1e-12)
     # Added to the ordinary backward's, the whole gradient of a loss that uses both outputs.
     grad_out = torch.randn_like(out)
     full = torch.autograd.grad((out, lse), (q, k, v), (grad_out, grad_lse))
@@ -98,7 +98,7 @@ def test_lse_operands_carry_dlse_across_magnitudes(dtype, magnitudes, bits, D_v)
     dlse = torch.cat([m, -m, torch.zeros(3)]).view(1, 197)  # a packed (T, H) LSE's gradient
     out = torch.empty(1, 197, D_v, dtype=dtype)
     v = torch.empty(5, 197, D_v, dtype=dtype)
-    v_zero, o_unit, do_lse = _lse_gradient_operands(dlse, out, v)
+    v_zero, o_unit, do_lse = lse_gradient_operands(dlse, out, v)
     assert all(t.dtype == dtype for t in (v_zero, o_unit, do_lse)) and not v_zero.any()
     assert o_unit[..., 2:].count_nonzero() == 0 and do_lse[..., 2:].count_nonzero() == 0, "columns past the first two stay zero"
     row_dot = (do_lse.float() * o_unit.float()).sum(-1)  # what cuDNN computes, in float32
@@ -109,7 +109,7 @@ def test_lse_operands_carry_dlse_across_magnitudes(dtype, magnitudes, bits, D_v)
 
 def test_lse_operands_with_one_value_column_round_once():
     dlse = torch.tensor([[1 / 3, -1e-7, 5e3]])
-    _, o_unit, do_lse = _lse_gradient_operands(dlse, torch.empty(1, 3, 1, dtype=torch.bfloat16), torch.empty(2, 3, 1, dtype=torch.bfloat16))
+    _, o_unit, do_lse = lse_gradient_operands(dlse, torch.empty(1, 3, 1, dtype=torch.bfloat16), torch.empty(2, 3, 1, dtype=torch.bfloat16))
     row_dot = (do_lse.float() * o_unit.float()).sum(-1)
     torch.testing.assert_close(row_dot, -dlse, rtol=2**-8, atol=0)
 
@@ -119,7 +119,7 @@ def test_lse_operands_keep_any_operand_strides():
     fused = torch.randn(2, 7, 3, 4, 8, dtype=torch.bfloat16)
     out = torch.empty(2, 7, 4, 8, dtype=torch.bfloat16).transpose(1, 2)
     for v in (fused[:, :, 2].transpose(1, 2), torch.randn(1, 1, 7, 8, dtype=torch.bfloat16).expand(2, 4, 7, 8)):
-        v_zero, o_unit, do_lse = _lse_gradient_operands(torch.randn(2, 4, 7), out, v)
+        v_zero, o_unit, do_lse = lse_gradient_operands(torch.randn(2, 4, 7), out, v)
         assert v_zero.stride() == v.stride() and v_zero.shape == v.shape and not v_zero.any()
         assert o_unit.stride() == do_lse.stride() == out.stride()
 
@@ -127,7 +127,7 @@ def test_lse_operands_keep_any_operand_strides():
 def test_masked_lse_gradient_zeroes_rows_without_a_softmax():
     lse = torch.tensor([[0.5, float("-inf")], [float("-inf"), -3.0]])
     grad = torch.tensor([[2.0, float("nan")], [7.0, 1.0]]).expand(2, 2)
-    assert torch.equal(_masked_lse_gradient(grad, lse), torch.tensor([[2.0, 0.0], [0.0, 1.0]]))
+    assert torch.equal(masked_lse_gradient(grad, lse), torch.tensor([[2.0, 0.0], [0.0, 1.0]]))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ import torch
 
 import cudnn_attention
 from cudnn_attention import flash_attn_interface
-from cudnn_attention.call import prepare_packed
+from cudnn_attention.prepare import prepare_packed
 from support.reference64 import evaluate_call
 
 

@@ -42,7 +42,7 @@ def test_without_the_frontend_the_package_imports_and_runs_the_exact_fallback():
         import torch
         import cudnn_attention
         import cudnn_attention.integrations.hf, cudnn_attention.integrations.lightning
-        from cudnn_attention.cudnn_graphs import frontend_unavailable_reason
+        from cudnn_attention.frontend import frontend_unavailable_reason
 
         q, k, v = (torch.randn(2, 4, 8, 16, requires_grad=True) for _ in range(3))
         out = cudnn_attention.attention(q, k, v, causal=True)

@@ -9,8 +9,8 @@ import torch
 import cudnn_attention
 from cudnn_attention import validation
 from cudnn_attention.call import packed_lengths
-from cudnn_attention.launch import _absent_rows, _ragged_operands
 from cudnn_attention.masking import MaskSpec
+from cudnn_attention.operands import absent_rows, ragged_operands
 from cudnn_attention.packed_batch import registered_batch
 
 
@@ -93,7 +93,7 @@ def test_derived_operands_are_made_once_per_batch_and_anew_after_a_write():
 
     def compute():
         calls.append(1)
-        return _ragged_operands(Graph, cu_q, cu_kv)
+        return ragged_operands(Graph, cu_q, cu_kv)
 
     first = batch.derived(("ragged operands", 4), compute)
     batch = registered_batch(cu_q, cu_kv, 8, 4)  # the next layer's call: what the first derived is there
@@ -102,7 +102,7 @@ def test_derived_operands_are_made_once_per_batch_and_anew_after_a_write():
     # Bucketed to 4 documents (one trailing empty); document 2 has queries but no key, so no query rows.
     assert len_q == [3, 0, 0, 0] and len_kv == [2, 2, 0, 0]
     assert offsets_q == [0, 768, 768, 2048, 2048] and offsets_kv == [0, 128, 256, 256, 256]
-    absent_q, absent_kv = _absent_rows(batch)
+    absent_q, absent_kv = absent_rows(batch)
     assert absent_q.view(-1).tolist() == [False] * 3 + [True] * 5 and absent_kv.view(-1).tolist() == [False, False, True, True]
     cu_kv[3] = 5  # the next batch written into the same buffer
     again = registered_batch(cu_q, cu_kv, 8, 4)

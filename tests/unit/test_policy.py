@@ -7,6 +7,7 @@ import torch
 
 import cudnn_attention
 from cudnn_attention import CudnnAttentionFallbackWarning, StrictModeError
+from cudnn_attention.graph_build import GraphRejected
 from support.graph_specs import graph_spec
 
 
@@ -96,7 +97,7 @@ def test_a_graph_build_or_rejection_does_not_pin_the_callers_tensors(monkeypatch
     import types
     import weakref
 
-    from cudnn_attention import cudnn_graphs, launch
+    from cudnn_attention import cudnn_graphs, graph_build
 
     def pygraph(**_):  # the frontend's pattern: the last mode's error kept in a local, and raised when every mode failed
         failure = None
@@ -108,14 +109,15 @@ def test_a_graph_build_or_rejection_does_not_pin_the_callers_tensors(monkeypatch
         raise failure
 
     frontend = types.SimpleNamespace(data_type=types.SimpleNamespace(HALF=0, BFLOAT16=1, FLOAT=2), pygraph=pygraph)
-    monkeypatch.setattr(launch, "frontend", lambda: frontend)
-    monkeypatch.setattr(launch, "bound_handle", lambda device_index: (None, 0))
+    monkeypatch.setattr(graph_build, "frontend", lambda: frontend)
+    monkeypatch.setattr(graph_build, "cudnn_version", lambda: 91900)
+    monkeypatch.setattr(graph_build, "bound_handle", lambda device_index: (None, 0))
     monkeypatch.setattr(torch.cuda, "device", lambda index: contextlib.nullcontext())
     spec = graph_spec()
 
     def forward_that_builds():
         activation = torch.ones(1024)  # stands for a forward's activations, alive in a calling frame
-        with pytest.raises(cudnn_graphs.GraphRejected, match="rejects this graph"):
+        with pytest.raises(GraphRejected, match="rejects this graph"):
             cudnn_graphs.get_graph(spec)
         return weakref.ref(activation)
 
@@ -140,14 +142,14 @@ def test_graph_builds_and_rejections_are_counted_with_their_time(monkeypatch):
             raise RuntimeError("unsupported")
         return object()
 
-    monkeypatch.setattr(cudnn_graphs, "_build", fake_build)
+    monkeypatch.setattr(cudnn_graphs, "build", fake_build)
     cudnn_graphs.clear_cache()
     cudnn_attention.reset_stats()
     base = dict(packed=True, need_lse=True)
     try:
         for direction in ("forward", "forward", "backward"):  # the second forward is a cache hit
             cudnn_graphs.get_graph(graph_spec(direction=direction, batch=1, **base))
-        with pytest.raises(cudnn_graphs.GraphRejected, match="unsupported"):
+        with pytest.raises(GraphRejected, match="unsupported"):
             cudnn_graphs.get_graph(graph_spec(direction="forward", batch=3, **base))
         builds = cudnn_attention.stats()["graph_builds"]
         assert builds["forward"] == 2 and builds["backward"] == 1 and builds["seconds"] > 0.0, builds

@@ -7,7 +7,7 @@ import torch
 
 import cudnn_attention
 from cudnn_attention import cudnn_ops
-from cudnn_attention.cudnn_graphs import GraphRejected
+from cudnn_attention.graph_build import GraphRejected
 from support.emulated_cudnn import emulated
 from support.reference64 import reference_attention, reference_varlen_attention
 

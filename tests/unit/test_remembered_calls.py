@@ -9,6 +9,7 @@ import torch
 import cudnn_attention
 from cudnn_attention import cudnn_graphs
 from cudnn_attention import plan as plans
+from cudnn_attention.graph_spec import GraphSpec
 from cudnn_attention.masking import effective_lengths, make_mask_spec
 from cudnn_attention.reference import dense_reference, varlen_reference
 from support.graph_specs import graph_spec
@@ -99,13 +100,13 @@ def test_calls_that_are_not_remembered(served_on_cpu, monkeypatch, why):
     assert served_on_cpu["resolve"] == 2
 
 
-def _spec(n: int) -> cudnn_graphs.GraphSpec:
+def _spec(n: int) -> GraphSpec:
     return graph_spec(heads_q=n, heads_kv=n, q_strides=(), k_strides=(), v_strides=(), o_strides=())
 
 
 def test_memo_entries_go_with_their_graphs_and_stay_bounded(monkeypatch):
     cudnn_graphs.clear_cache()
-    monkeypatch.setattr(cudnn_graphs, "_build", lambda spec: f"graph {spec.heads_q}")
+    monkeypatch.setattr(cudnn_graphs, "build", lambda spec: f"graph {spec.heads_q}")
     monkeypatch.setattr(cudnn_graphs, "_CACHE_CAPACITY", 3)
     monkeypatch.setattr(cudnn_graphs, "_MEMO_CAPACITY", 4)
     try:

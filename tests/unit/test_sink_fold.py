@@ -9,8 +9,8 @@ import torch
 from cudnn_attention import plan as plans
 from cudnn_attention.call import AttentionCall
 from cudnn_attention.fused_sinks import fold_sinks
-from cudnn_attention.launch import _packed_absent_rows
 from cudnn_attention.masking import effective_lengths, make_mask_spec
+from cudnn_attention.operands import packed_absent_rows
 from cudnn_attention.reference import dense_reference, varlen_reference
 
 
@@ -45,7 +45,7 @@ def _packed_case(seed: int, window: tuple[int, int], sinks: torch.Tensor):
     mask = make_mask_spec(causal=True, bottom_right=False, window_size=window)
     out, lse = varlen_reference(q, k, v, cu_q, cu_kv, 6, 6, scale=0.25, mask=mask)
     want_out, want_lse = varlen_reference(q, k, v, cu_q, cu_kv, 6, 6, scale=0.25, mask=mask, sinks_H=sinks)
-    return out, lse, want_out, want_lse, _packed_absent_rows(cu_q, cu_kv, 20)
+    return out, lse, want_out, want_lse, packed_absent_rows(cu_q, cu_kv, 20)
 
 
 def test_fold_gives_the_sink_forward_packed_and_nan_sinks_stay_nan():
