@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from . import cp_state, validation
 from . import plan as plans
-from . import validation
 from .call import NO_LENGTHS, Prepared, argument_options, packed_lengths, padding_lengths, prepare_dense, prepare_packed, served_key
 from .cudnn_graphs import memoize, memoized
 from .cudnn_ops import cudnn_forward
@@ -80,6 +80,22 @@ def attention(
     :func:`cudnn_attention.policy.fallback_in_graph`; a refused compiled call raises after computing,
     before returning). ``validate=True`` reads lengths on the host, which a full graph cannot.
     """
+    if cp_state.active is not None:  # inside context_parallel.over(): q/k/v are this rank's shards (context_parallel.py)
+        return cp_state.active.attention(
+            q,
+            k,
+            v,
+            scale=scale,
+            causal=causal,
+            bottom_right=bottom_right,
+            window_size=window_size,
+            sinks=sinks,
+            seqlens_q=seqlens_q,
+            seqlens_kv=seqlens_kv,
+            return_lse=return_lse,
+            deterministic=deterministic,
+            validate=validate,
+        )
     key = None
     if not validate:
         options = argument_options(
@@ -163,6 +179,24 @@ def varlen_attention(
         inputs), differentiable as in :func:`attention` (``-inf`` on tokens in no document or in a document
         without keys).
     """
+    if cp_state.active is not None:  # inside context_parallel.over(): q/k/v are this rank's shards (context_parallel.py)
+        return cp_state.active.varlen_attention(
+            q,
+            k,
+            v,
+            cu_seqlens_q,
+            cu_seqlens_kv,
+            max_seqlen_q,
+            max_seqlen_kv,
+            scale=scale,
+            causal=causal,
+            bottom_right=bottom_right,
+            window_size=window_size,
+            sinks=sinks,
+            return_lse=return_lse,
+            deterministic=deterministic,
+            validate=validate,
+        )
     key = None
     if not validate:
         options = argument_options(

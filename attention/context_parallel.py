@@ -1,0 +1,485 @@
+"""Context parallelism: the ranks of a process group each hold a zigzag shard of every sequence, and
+:func:`cudnn_attention.attention`, :func:`cudnn_attention.varlen_attention` and ``attn_implementation="cudnn"`` take the
+local tokens and return exactly what one process computes for the whole sequences, forward and backward.
+
+Example:
+    >>> from cudnn_attention import context_parallel
+    >>> with context_parallel.over(cp_group):   # every rank of cp_group, each with its own shard
+    ...     out_TlHD = cudnn_attention.varlen_attention(q_TlHD, k_TlHD, v_TlHD, cu, cu, max_len, max_len, causal=True,
+    ...                                                  window_size=(127, 0), sinks=sinks)
+    >>> # q/k/v: this rank's N-th of the packed row, zigzag order (cp_sharding.shard); cu: the WHOLE row's documents.
+
+Inside the block (see :func:`over`):
+
+* dense ``(B, H, S/N, D)`` tensors hold each sequence's chunks ``r`` and ``2N-1-r`` of ``2N`` (:mod:`.cp_sharding`);
+  packed ``(T/N, H, D)`` tensors hold those chunks of the whole packed row, and ``cu_seqlens_*``/``max_seqlen_*``
+  describe the whole row, so documents may span ranks. Outputs and LSEs come back in the same local order.
+* Queries and keys are the same tokens (``S_q == S_kv``, ``cu_seqlens_q`` equal to ``cu_seqlens_kv``): cross-attention,
+  KV-cache decoding and padded dense batches (``seqlens_*``) are refused with a ValueError; pack those (varlen).
+* Every mask kind: full, causal, windows of any ``(left, right)``, either alignment (they coincide here), learnable sinks
+  (each row's denominator gets its sink once), GQA. The sinks' gradient on each rank is its own rows' share: reduce it
+  over the group with the other parameters' gradients (the context-parallel ranks take part in the data-parallel
+  gradient average; see the README's "Context parallelism").
+
+Algorithm (docs/decisions/0019): each rank all-gathers K and V (one collective; the backward reduce-scatters dK/dV),
+copies the keys each of its sub-documents can see into one contiguous buffer (``index_select``), and makes one varlen
+call, or two merged by their LSEs for a band reaching past the diagonal (:mod:`.cp_sharding` says which keys).
+
+Before any collective, each call's shapes, dtypes, options and documents are compared across the group on the host
+(``verify=True``, the default: one small gloo all-gather of Python values per call, no device synchronization): a
+mismatch, or a bad input on any rank, raises the same ValueError on every rank, naming the rank and the values,
+instead of a collective that never completes. Documents are read on the host once per batch: CUDA prefix sums cost
+one device synchronization per new ``cu_seqlens`` tensor (counted in :func:`stats`), none when the batch helper
+(:func:`remember_prefix_sums`, done by ``shard_batch_for_context_parallel``) gave their values already.
+
+Legend: N ranks in the group, r this rank, B batch, H query heads, S/T sequence/packed length of the WHOLE row,
+Tl = T / N local tokens, D head dim.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+
+from . import api, cp_state, tensor_memo
+from .cp_collectives import STATS, Collectives, LocalSimulation, ProcessGroupCollectives, SimulatedWorld
+from .cp_costs import communication_per_layer, memory_per_rank
+from .cp_sharding import check_shardable, gather_rows, plan_rank, shard, shard_positions, unshard
+from .masking import make_mask_spec
+
+__all__ = [
+    "Collectives",
+    "ContextParallel",
+    "LocalSimulation",
+    "ProcessGroupCollectives",
+    "SimulatedWorld",
+    "active",
+    "communication_per_layer",
+    "memory_per_rank",
+    "merge_partials",
+    "over",
+    "remember_prefix_sums",
+    "reset_stats",
+    "shard",
+    "shard_positions",
+    "stats",
+    "unshard",
+]
+
+_PREFIX_SUMS = "cudnn_attention.context_parallel: prefix sums"
+_PLAN = "cudnn_attention.context_parallel: plan"
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def over(group=None, *, collectives: Collectives | None = None, verify: bool = True) -> ContextParallel:
+    """A context manager under which the attention calls of this rank are its shard of a context-parallel group.
+
+    Args:
+        group: the ``torch.distributed`` process group whose ranks shard the sequences (e.g. ``mesh["cp"].get_group()``);
+            None: the default (whole-world) group. Ignored when ``collectives`` is given.
+        collectives: another transport (:class:`LocalSimulation` runs an N-rank split in one process).
+        verify: compare every call's shapes, options and documents across the group before any collective (default);
+            False skips that host round trip, and a mismatch then fails inside (or hangs in) the collective.
+
+    Returns a :class:`ContextParallel`; entering it makes every ``attention``/``varlen_attention`` call (and the
+    transformers ``"cudnn"`` layer) context-parallel until the block exits, which restores what was active before.
+    Enter it on every rank of the group around the same calls. Importing the package enables nothing.
+    """
+    if collectives is None:
+        collectives = ProcessGroupCollectives(group)
+    elif not isinstance(collectives, Collectives):
+        raise TypeError(f"collectives must be a cudnn_attention.context_parallel.Collectives, got {type(collectives).__name__}")
+    return ContextParallel(collectives, verify=verify)
+
+
+def active() -> ContextParallel | None:
+    """The :class:`ContextParallel` whose block the program is in, or None."""
+    return cp_state.active
+
+
+def stats() -> dict:
+    """Counts since import (or :func:`reset_stats`): ``all_gather_bytes``/``reduce_scatter_bytes`` received by this rank,
+    ``metadata_checks``, ``prefix_sum_host_reads`` (device synchronizations), ``calls``, and the last call's
+    ``gathered_key_rows`` and ``selected_key_rows`` (rows of the gathered K/V and of the buffer its calls read)."""
+    return dict(STATS)
+
+
+def reset_stats() -> None:
+    """Zero :func:`stats`."""
+    STATS.clear()
+
+
+def remember_prefix_sums(cu_seqlens: torch.Tensor, values) -> None:
+    """Keep the host values of ``cu_seqlens`` (a device tensor made from them) on the tensor, so that context-parallel calls
+    read no device memory for it. The batch helpers do this when they move a batch's prefix sums to the GPU."""
+    values = tuple(int(value) for value in values)
+    if cu_seqlens.numel() != len(values):
+        raise ValueError(f"cu_seqlens has {cu_seqlens.numel()} entries and {len(values)} values were given for it")
+    tensor_memo.remember(cu_seqlens, _PREFIX_SUMS, values)
+
+
+class ContextParallel:
+    """The state of a context-parallel block: this rank's :class:`Collectives` and options (made by :func:`over`).
+
+    Its :meth:`attention` and :meth:`varlen_attention` take the arguments of :func:`cudnn_attention.attention` and
+    :func:`cudnn_attention.varlen_attention` (which call them while the block is active) with this rank's shards.
+    """
+
+    def __init__(self, collectives: Collectives, *, verify: bool):
+        self.collectives, self.verify = collectives, verify
+        self._previous: list = []
+        # torch.compile breaks its graph around these calls (host reads, collectives): made here, not at import, because
+        # torch.compiler.disable imports dynamo, which `import cudnn_attention` must not pay for.
+        self._attention_eager = torch.compiler.disable(self._attention)
+        self._varlen_attention_eager = torch.compiler.disable(self._varlen_attention)
+
+    @property
+    def rank(self) -> int:
+        return self.collectives.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.collectives.world_size
+
+    def __enter__(self) -> ContextParallel:
+        self._previous.append(cp_state.active)
+        cp_state.active = self
+        return self
+
+    def __exit__(self, *exc) -> None:
+        cp_state.active = self._previous.pop()
+
+    def __repr__(self) -> str:
+        return f"ContextParallel(rank={self.rank}, world_size={self.world_size}, collectives={type(self.collectives).__name__})"
+
+    def varlen_attention(self, q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, **options):
+        """:func:`cudnn_attention.varlen_attention` (its keyword options) on this rank's (Tl, H, D) shards of the whole packed
+        row ``cu_seqlens_*`` describe (``validate`` is accepted and moot: the documents are read on the host anyway)."""
+        return self._varlen_attention_eager(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, **options)
+
+    def attention(self, q, k, v, **options):
+        """:func:`cudnn_attention.attention` (its keyword options) on this rank's (B, H, S/N, D) shards of each sequence
+        (``validate`` is moot)."""
+        return self._attention_eager(q, k, v, **options)
+
+    def _varlen_attention(
+        self,
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_kv,
+        max_seqlen_q,
+        max_seqlen_kv,
+        *,
+        scale=None,
+        causal=False,
+        bottom_right=False,
+        window_size=(-1, -1),
+        sinks=None,
+        return_lse=False,
+        deterministic=None,
+        validate=False,
+    ):
+        signature, problem, cu, mask = (), None, None, None
+        try:
+            mask = make_mask_spec(causal=causal, bottom_right=bottom_right, window_size=window_size)
+            _check_local(q, k, v, sinks, packed=True)
+            cu = _host_prefix_sums(cu_seqlens_q, "cu_seqlens_q")
+            if cu_seqlens_kv is not cu_seqlens_q and _host_prefix_sums(cu_seqlens_kv, "cu_seqlens_kv") != cu:
+                raise ValueError(
+                    "context parallelism serves self-attention (queries and keys are the same tokens): cu_seqlens_kv must equal "
+                    "cu_seqlens_q"
+                )
+            for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_kv", max_seqlen_kv)):
+                if isinstance(value, bool) or not isinstance(value, int):
+                    raise TypeError(f"{name} must be a Python int, got {value!r} ({type(value).__name__})")
+            signature = _signature("varlen_attention", q, k, v, sinks, mask, scale, return_lse, deterministic) + (
+                ("documents (cu_seqlens)", _digest(cu)),
+                ("max_seqlen (q, kv)", (max_seqlen_q, max_seqlen_kv)),
+            )
+        except (TypeError, ValueError) as error:
+            problem = str(error)
+        self._agree(signature, problem)
+        T = self.world_size * q.shape[0]
+        check_shardable(T, self.world_size, what=f"packed row ({q.shape[0]} tokens on each of {self.world_size} ranks)")
+        _check_documents(cu, T, max_seqlen_q, max_seqlen_kv)
+        plan, tensors = self._varlen_plan(cu_seqlens_q, cu, T, mask, q.device)
+        k_all, v_all = self.collectives.gather_kv(k, v, dim=0)
+        _note_call(k_all.shape[0], plan.selected_keys)
+        results = []
+        with _local_calls():
+            for call, (cu_q, cu_kv, rows) in zip(plan.calls, tensors):
+                results.append(
+                    api.varlen_attention(
+                        q,
+                        k_all.index_select(0, rows),
+                        v_all.index_select(0, rows),
+                        cu_q,
+                        cu_kv,
+                        call.max_q,
+                        call.max_kv,
+                        scale=scale,
+                        bottom_right=call.bottom_right,
+                        window_size=call.window,
+                        sinks=sinks if call.with_sinks else None,
+                        return_lse=True,
+                        deterministic=deterministic,
+                    )
+                )
+        out, lse = results[0] if len(results) == 1 else merge_partials(*results[0], *results[1])
+        return (out, lse) if return_lse else out
+
+    def _attention(
+        self,
+        q,
+        k,
+        v,
+        *,
+        scale=None,
+        causal=False,
+        bottom_right=False,
+        window_size=(-1, -1),
+        sinks=None,
+        seqlens_q=None,
+        seqlens_kv=None,
+        return_lse=False,
+        deterministic=None,
+        validate=False,
+    ):
+        signature, problem, mask = (), None, None
+        try:
+            mask = make_mask_spec(causal=causal, bottom_right=bottom_right, window_size=window_size)
+            _check_local(q, k, v, sinks, packed=False)
+            if seqlens_q is not None or seqlens_kv is not None:
+                raise ValueError(
+                    "padded dense batches (seqlens_q/seqlens_kv) are not supported under context parallelism: pack the "
+                    "sequences instead (varlen_attention with the whole row's cu_seqlens; shard_batch_for_context_parallel does)"
+                )
+            signature = _signature("attention", q, k, v, sinks, mask, scale, return_lse, deterministic)
+        except (TypeError, ValueError) as error:
+            problem = str(error)
+        self._agree(signature, problem)
+        N, S_l = self.world_size, q.shape[2]
+        S = N * S_l
+        check_shardable(S, N, what=f"sequence ({S_l} tokens on each of {N} ranks)")
+        k_all, v_all = self.collectives.gather_kv(k, v, dim=2)
+        local = dict(scale=scale, return_lse=True, deterministic=deterministic)
+        if not mask.has_band:
+            # Without a band a key's position does not matter: the rank-ordered gather is used as it is, no reordering.
+            _note_call(S, S)
+            with _local_calls():
+                out, lse = api.attention(q, k_all, v_all, sinks=sinks, **local)
+            return (out, lse) if return_lse else out
+        plan = _dense_plan(S, N, self.rank, mask.left, mask.right)
+        _note_call(S, plan.selected_keys * q.shape[0])
+        C = S_l // 2
+        outs, lses = [], []
+        with _local_calls():
+            for chunk in range(2):  # the rank's two chunks: each its own dense call(s), against the keys it can see
+                q_chunk = q.narrow(2, chunk * C, C)
+                parts = []
+                for call in plan.calls:
+                    start, stop = call.key_ranges[chunk]
+                    if stop == start:  # e.g. nothing after the diagonal of the last chunk: that part adds nothing
+                        continue
+                    rows = _dense_rows(S, N, start, stop, k_all.device)
+                    parts.append(
+                        api.attention(
+                            q_chunk,
+                            k_all.index_select(2, rows),
+                            v_all.index_select(2, rows),
+                            bottom_right=call.bottom_right,
+                            window_size=call.window,
+                            sinks=sinks if call.with_sinks else None,
+                            **local,
+                        )
+                    )
+                out, lse = parts[0] if len(parts) == 1 else merge_partials(*parts[0], *parts[1])
+                outs.append(out)
+                lses.append(lse)
+        out = _cat_sequence(outs, like=q)
+        return (out, torch.cat(lses, dim=2)) if return_lse else out
+
+    def _agree(self, signature: tuple, problem: str | None) -> None:
+        """Raise the same ValueError on every rank when some rank's input is bad or the ranks' calls differ."""
+        if not self.verify:
+            if problem is not None:
+                raise ValueError(f"context parallelism (rank {self.rank}): {problem}")
+            return
+        records = self.collectives.agree((problem, signature))
+        STATS["metadata_checks"] += 1
+        bad = [(rank, record[0]) for rank, record in enumerate(records) if record[0] is not None]
+        if bad:
+            where = ", ".join(str(rank) for rank, _ in bad)
+            raise ValueError(f"context parallelism: bad input on rank {where}; rank {bad[0][0]}: {bad[0][1]}")
+        # The first field is the call's kind: where the kinds agree, so do the fields' names.
+        for fields in zip(*(record[1] for record in records)):
+            if any(field != fields[0] for field in fields):
+                seen = "; ".join(f"rank {rank}: {value!r}" for rank, (_, value) in enumerate(fields))
+                name = fields[0][0]
+                raise ValueError(
+                    f"context parallelism: the ranks of the group disagree on {name} ({seen}): every rank must make the same "
+                    "call with its own shard (same shapes, dtypes, options and documents)"
+                )
+
+    def _varlen_plan(self, cu_seqlens: torch.Tensor, cu: tuple, T: int, mask, device):
+        """This rank's plan for the documents ``cu`` and its device tensors ``(cu_q, cu_kv, rows)`` per call, kept on the
+        prefix-sum tensor: every layer of a forward (and every layer with the same mask) shares them."""
+        key = (_PLAN, T, self.world_size, self.rank, mask.left, mask.right, device)
+        remembered = tensor_memo.recall(cu_seqlens, key)
+        if remembered is not None:
+            return remembered
+        plan = plan_rank(cu, length=T, world_size=self.world_size, rank=self.rank, left=mask.left, right=mask.right)
+        order = gather_rows(T, self.world_size)
+        tensors = tuple(
+            (
+                _to_device(torch.tensor(call.cu_q, dtype=torch.int32), device),
+                _to_device(torch.tensor(call.cu_kv, dtype=torch.int32), device),
+                _to_device(order[call.key_positions()], device),
+            )
+            for call in plan.calls
+        )
+        tensor_memo.remember(cu_seqlens, key, (plan, tensors))
+        return plan, tensors
+
+
+def merge_partials(out1, lse1, out2, lse2) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` of attention over two disjoint key sets from each set's ``(out, lse)``: the softmax-weighted mean
+    ``(o1 e^lse1 + o2 e^lse2) / (e^lse1 + e^lse2)`` and ``log(e^lse1 + e^lse2)``, in the LSE's dtype, differentiable. A row
+    with no key in either set (both ``-inf``) stays zero with ``lse = -inf`` and passes no gradient."""
+    m = torch.maximum(lse1, lse2).detach()  # any shift is exact; the larger keeps exp() <= 1
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    w1, w2 = torch.exp(lse1 - m), torch.exp(lse2 - m)
+    total = w1 + w2
+    empty = total == 0
+    total = torch.where(empty, torch.ones_like(total), total)  # the double-where: log'(0) would send NaN back
+    lse = torch.where(empty, float("-inf"), m + torch.log(total))
+    out = out1.to(lse.dtype) * (w1 / total)[..., None] + out2.to(lse.dtype) * (w2 / total)[..., None]
+    return out.to(out1.dtype), lse
+
+
+@contextlib.contextmanager
+def _local_calls():
+    """The per-rank calls this layer makes are ordinary calls: context parallelism is off inside."""
+    saved, cp_state.active = cp_state.active, None
+    try:
+        yield
+    finally:
+        cp_state.active = saved
+
+
+def _note_call(gathered_rows: int, selected_rows: int) -> None:
+    STATS["calls"] += 1
+    STATS["gathered_key_rows"] = gathered_rows
+    STATS["selected_key_rows"] = selected_rows
+
+
+def _check_local(q, k, v, sinks, *, packed: bool) -> None:
+    """What one rank can check alone (its message goes to every rank through ``_agree``)."""
+    rank, layout, seq = (3, "(Tl, H, D)", 0) if packed else (4, "(B, H, S/N, D)", 2)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != rank:
+            raise ValueError(f"{name} must be {rank}-D {layout}, got shape {tuple(t.shape)}")
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
+    if not (q.dtype == k.dtype == v.dtype) or not (q.device == k.device == v.device):
+        raise ValueError(
+            f"q, k and v must share one dtype and device, got {q.dtype}/{k.dtype}/{v.dtype} on {q.device}/{k.device}/{v.device}"
+        )
+    if not packed and not (q.shape[0] == k.shape[0] == v.shape[0]):
+        raise ValueError(f"batch sizes differ: q {q.shape[0]}, k {k.shape[0]}, v {v.shape[0]}")
+    if not (q.shape[seq] == k.shape[seq] == v.shape[seq]):
+        raise ValueError(
+            "context parallelism serves self-attention (queries and keys are the same tokens): q, k and v must hold the same "
+            f"number of local tokens, got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} (KV-cache decoding and "
+            "cross-attention are not context-parallel)"
+        )
+    if k.shape[1] != v.shape[1] or k.shape[1] == 0 or q.shape[1] % k.shape[1] or q.shape[-1] != k.shape[-1]:
+        raise ValueError(
+            f"heads and head dims must fit (H_q a multiple of H_kv, q and k one head dim): q {tuple(q.shape)}, k {tuple(k.shape)}"
+        )
+    if sinks is not None and (not isinstance(sinks, torch.Tensor) or tuple(sinks.shape) != (q.shape[1],)):
+        shape = tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__
+        raise ValueError(f"sinks must be a ({q.shape[1]},) tensor, one per query head, got {shape}")
+
+
+def _signature(kind: str, q, k, v, sinks, mask, scale, return_lse, deterministic) -> tuple:
+    """What must be equal on every rank, as ``(name, value)`` pairs of host values."""
+    grads = tuple(t is not None and t.requires_grad and torch.is_grad_enabled() for t in (q, k, v, sinks))
+    return (
+        ("call", kind),
+        ("dtype", str(q.dtype)),
+        ("device type", q.device.type),
+        ("local shape of q", tuple(q.shape)),
+        ("local shape of k", tuple(k.shape)),
+        ("local shape of v", tuple(v.shape)),
+        ("window (left, right)", (mask.left, mask.right)),
+        ("scale", scale),
+        ("sinks shape", None if sinks is None else tuple(sinks.shape)),
+        ("requires_grad of (q, k, v, sinks)", grads),
+        ("return_lse", bool(return_lse)),
+        ("deterministic", deterministic),
+    )
+
+
+def _digest(cu: tuple) -> object:
+    """The documents as compared across ranks: the prefix sums themselves when short, else a summary with a checksum."""
+    if len(cu) <= 9:
+        return cu
+    return f"{len(cu) - 1} documents ending at {cu[-1]}, checksum {hash(cu) & 0xFFFFFFFF:08x}"  # int tuples hash alike in every process
+
+
+def _host_prefix_sums(cu_seqlens, name: str) -> tuple:
+    """The values of a prefix-sum tensor on the host: read once per tensor (a device synchronization for a CUDA tensor,
+    counted), then kept on it while it is unchanged."""
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.dtype not in _INDEX_DTYPES or not cu_seqlens.numel():
+        described = (
+            f"{cu_seqlens.dtype} of shape {tuple(cu_seqlens.shape)}" if isinstance(cu_seqlens, torch.Tensor) else type(cu_seqlens).__name__
+        )
+        raise ValueError(f"{name} must be a non-empty 1-D int32/int64 tensor, got {described}")
+    remembered = tensor_memo.recall(cu_seqlens, _PREFIX_SUMS)
+    if remembered is not None:
+        return remembered
+    if cu_seqlens.device.type != "cpu":
+        STATS["prefix_sum_host_reads"] += 1
+    values = tuple(cu_seqlens.tolist())
+    tensor_memo.remember(cu_seqlens, _PREFIX_SUMS, values)
+    return values
+
+
+def _check_documents(cu: tuple, T: int, max_seqlen_q: int, max_seqlen_kv: int) -> None:
+    """The whole row's prefix sums against its length and the maxima (the same values on every rank: ``_agree`` compared them)."""
+    if cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])) or cu[-1] > T:
+        raise ValueError(f"cu_seqlens must start at 0, never decrease and end within the packed row's {T} tokens, got {_digest(cu)}")
+    longest = max((b - a for a, b in zip(cu, cu[1:])), default=0)
+    if longest > min(max_seqlen_q, max_seqlen_kv):
+        raise ValueError(f"max_seqlen_q/max_seqlen_kv ({max_seqlen_q}, {max_seqlen_kv}) must bound the longest document, {longest} tokens")
+
+
+@functools.lru_cache(maxsize=64)
+def _dense_plan(S: int, N: int, rank: int, left: int, right: int):
+    return plan_rank((0, S), length=S, world_size=N, rank=rank, left=left, right=right)
+
+
+@functools.lru_cache(maxsize=256)
+def _dense_rows(S: int, N: int, start: int, stop: int, device) -> torch.Tensor:
+    """Rows of the rank-ordered gather holding positions ``[start, stop)`` of a sequence of ``S`` tokens."""
+    return _to_device(gather_rows(S, N)[start:stop], device)
+
+
+def _to_device(t: torch.Tensor, device) -> torch.Tensor:
+    if torch.device(device).type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)  # a copy queued on the stream, no wait for the GPU
+    return t.to(device)
+
+
+def _cat_sequence(outs: list, *, like: torch.Tensor) -> torch.Tensor:
+    """The chunks' outputs along the sequence dim, in ``like``'s layout when it is a (B, S, H, D) view (transformers')."""
+    if like.transpose(1, 2).is_contiguous() and not like.is_contiguous():
+        return torch.cat([o.transpose(1, 2) for o in outs], dim=1).transpose(1, 2)
+    return torch.cat(outs, dim=2)

@@ -1,0 +1,108 @@
+"""What context parallelism costs per rank and attention layer: memory, and communication for each algorithm.
+
+Per layer and rank, with T tokens in the whole sequence (or packed row), N ranks, Tl = T / N, H/H_kv query/KV heads,
+D/Dv head dims, b bytes per element, KV = H_kv (D + Dv) b (one token's K and V):
+
+* local activations: Tl (H D + H_kv (D + Dv) + H Dv) b for q, k, v, out, plus Tl H 4 for the float32 LSE;
+* gathered K/V (all-gather): T KV, transient (the forward frees it once the keys are selected; the backward holds its
+  gradient until the reduce-scatter);
+* selected K/V: the keys this rank's calls read, saved for the backward. For one document filling the row: T without a
+  band; T + T / 2N causal (zigzag: chunk r reads (r + 1) C keys, chunk 2N-1-r reads (2N - r) C, C = T / 2N); with a
+  left window w at most 2C + 2w. :func:`memory_per_rank` takes the exact figure from the plan itself
+  (:func:`~cudnn_attention.cp_sharding.plan_rank`), for the worst rank;
+* workspace (estimate for cuDNN's backward): a float32 dQ accumulator and row statistics, Tl H (4 D + 8), and the
+  selected keys' gradient.
+
+Communication received per rank per layer (forward, backward):
+
+* all-gather K/V: (N - 1) Tl KV, and the reduce-scatter of dK/dV the same;
+* ring (K/V blocks passed around, TransformerEngine's p2p): (N - 1) Tl KV forward; the backward passes K/V and dK/dV,
+  twice that;
+* all-to-all (Ulysses, heads scattered): (N - 1) / N Tl (H D + H_kv (D + Dv) + H Dv) b each way (q, k, v in, out back;
+  dO in, dq, dk, dv back); H_kv must be divisible by N (else K/V heads are repeated, which this figure leaves out).
+
+The GPU check of these figures against measured peaks is issue 43's (``benchmarks/context_parallel.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .cp_sharding import plan_rank
+
+__all__ = ["ALGORITHMS", "RankMemory", "communication_per_layer", "memory_per_rank"]
+
+ALGORITHMS = ("all_gather", "ring", "all_to_all")
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """Bytes per rank for one attention layer (see the module docstring for each term)."""
+
+    local_activations: int
+    gathered_kv: int
+    selected_kv: int
+    workspace: int
+
+    @property
+    def peak(self) -> int:
+        """An upper estimate of the layer's attention bytes at once: everything above together."""
+        return self.local_activations + self.gathered_kv + self.selected_kv + self.workspace
+
+
+def _check(tokens: int, world_size: int) -> None:
+    if world_size < 1 or tokens < 2 * world_size or tokens % (2 * world_size):
+        raise ValueError(f"tokens must be a positive multiple of 2 x world_size = {2 * world_size}, got {tokens}")
+
+
+def memory_per_rank(
+    *,
+    tokens: int,
+    world_size: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    value_head_dim: int | None = None,
+    dtype_bytes: int = 2,
+    window_size: tuple[int, int] = (-1, 0),
+) -> RankMemory:
+    """Attention memory of the worst rank for one layer, all-gather algorithm, one document of ``tokens`` tokens.
+
+    ``window_size``: FlashAttention's ``(left, right)``; the default ``(-1, 0)`` is causal, ``(-1, -1)`` full attention,
+    ``(w - 1, 0)`` transformers' sliding window of w keys.
+    """
+    _check(tokens, world_size)
+    Dv = head_dim if value_head_dim is None else value_head_dim
+    Tl = tokens // world_size
+    kv = kv_heads * (head_dim + Dv) * dtype_bytes
+    left, right = window_size
+    selected = max(
+        plan_rank((0, tokens), length=tokens, world_size=world_size, rank=rank, left=left, right=right).selected_keys
+        for rank in range(world_size)
+    )
+    return RankMemory(
+        local_activations=Tl * (heads * head_dim + kv_heads * (head_dim + Dv) + heads * Dv) * dtype_bytes + Tl * heads * 4,
+        gathered_kv=tokens * kv,
+        selected_kv=selected * kv,
+        workspace=Tl * heads * (4 * head_dim + 8) + selected * kv,
+    )
+
+
+def communication_per_layer(
+    *,
+    tokens: int,
+    world_size: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    value_head_dim: int | None = None,
+    dtype_bytes: int = 2,
+) -> dict[str, tuple[int, int]]:
+    """``{algorithm: (forward bytes, backward bytes)}`` received per rank for one attention layer (module docstring)."""
+    _check(tokens, world_size)
+    Dv = head_dim if value_head_dim is None else value_head_dim
+    N, Tl = world_size, tokens // world_size
+    kv = kv_heads * (head_dim + Dv) * dtype_bytes
+    gather = (N - 1) * Tl * kv
+    all_to_all = (N - 1) * Tl * (heads * head_dim + kv_heads * (head_dim + Dv) + heads * Dv) * dtype_bytes // N
+    return {"all_gather": (gather, gather), "ring": (gather, 2 * gather), "all_to_all": (all_to_all, all_to_all)}
