@@ -56,7 +56,9 @@ __all__ = [
     "ProcessGroupCollectives",
     "SimulatedWorld",
     "active",
+    "average_gradients",
     "communication_per_layer",
+    "gather_sequence",
     "memory_per_rank",
     "merge_partials",
     "over",
@@ -118,6 +120,35 @@ def remember_prefix_sums(cu_seqlens: torch.Tensor, values) -> None:
     if cu_seqlens.numel() != len(values):
         raise ValueError(f"cu_seqlens has {cu_seqlens.numel()} entries and {len(values)} values were given for it")
     tensor_memo.remember(cu_seqlens, _PREFIX_SUMS, values)
+
+
+def average_gradients(parameters, *, group=None) -> None:
+    """Average the gradients of ``parameters`` over ``group`` in place, as data-parallel training does: for a loop without
+    DDP or FSDP. Under context parallelism every rank's gradient is its tokens' share (the sinks' too), and
+    ``shard_batch_for_context_parallel`` scales each rank's loss so that the average is the whole batch's gradient.
+    With DDP/FSDP, make the context-parallel ranks part of their data-parallel group instead (README)."""
+    import torch.distributed as dist
+
+    grads = [p.grad for p in parameters if p.grad is not None]
+    world_size = dist.get_world_size(group)
+    for dtype in sorted({g.dtype for g in grads}, key=str):  # one all-reduce per dtype (gloo has no AVG: sum, then divide)
+        same = [g for g in grads if g.dtype == dtype]
+        flat = torch.cat([g.reshape(-1) for g in same])
+        dist.all_reduce(flat, group=group)
+        flat /= world_size
+        for g, part in zip(same, flat.split([g.numel() for g in same])):
+            g.copy_(part.view_as(g))
+
+
+def gather_sequence(x_local: torch.Tensor, *, group=None, dim: int = 1) -> torch.Tensor:
+    """The whole sequences from every rank's zigzag shard ``x_local`` along ``dim`` (for metrics and evaluation; not
+    differentiable): an all-gather, then the original order."""
+    import torch.distributed as dist
+
+    world_size = dist.get_world_size(group)
+    shards = [torch.empty_like(x_local) for _ in range(world_size)]
+    dist.all_gather(shards, x_local.contiguous(), group=group)
+    return unshard(shards, dim=dim)
 
 
 class ContextParallel:
