@@ -81,21 +81,7 @@ def attention(
     before returning). ``validate=True`` reads lengths on the host, which a full graph cannot.
     """
     if cp_state.active is not None:  # inside context_parallel.over(): q/k/v are this rank's shards (context_parallel.py)
-        return cp_state.active.attention(
-            q,
-            k,
-            v,
-            scale=scale,
-            causal=causal,
-            bottom_right=bottom_right,
-            window_size=window_size,
-            sinks=sinks,
-            seqlens_q=seqlens_q,
-            seqlens_kv=seqlens_kv,
-            return_lse=return_lse,
-            deterministic=deterministic,
-            validate=validate,
-        )
+        return cp_state.active.serve("attention", locals())  # locals(): this call's arguments, by name (nothing else is bound yet)
     key = None
     if not validate:
         options = argument_options(
@@ -180,23 +166,7 @@ def varlen_attention(
         without keys).
     """
     if cp_state.active is not None:  # inside context_parallel.over(): q/k/v are this rank's shards (context_parallel.py)
-        return cp_state.active.varlen_attention(
-            q,
-            k,
-            v,
-            cu_seqlens_q,
-            cu_seqlens_kv,
-            max_seqlen_q,
-            max_seqlen_kv,
-            scale=scale,
-            causal=causal,
-            bottom_right=bottom_right,
-            window_size=window_size,
-            sinks=sinks,
-            return_lse=return_lse,
-            deterministic=deterministic,
-            validate=validate,
-        )
+        return cp_state.active.serve("varlen_attention", locals())
     key = None
     if not validate:
         options = argument_options(

@@ -40,12 +40,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from types import SimpleNamespace
 
 import torch
 
-from . import api, cp_state, tensor_memo
+from . import api, cp_state, tensor_memo, validation
 from .cp_collectives import STATS, Collectives, LocalSimulation, ProcessGroupCollectives, SimulatedWorld
-from .cp_costs import communication_per_layer, memory_per_rank
+from .cp_costs import RankCosts, costs_per_rank
 from .cp_sharding import check_shardable, gather_rows, plan_rank, shard, shard_positions, unshard
 from .masking import make_mask_spec
 
@@ -54,12 +55,12 @@ __all__ = [
     "ContextParallel",
     "LocalSimulation",
     "ProcessGroupCollectives",
+    "RankCosts",
     "SimulatedWorld",
     "active",
     "average_gradients",
-    "communication_per_layer",
+    "costs_per_rank",
     "gather_sequence",
-    "memory_per_rank",
     "merge_partials",
     "over",
     "remember_prefix_sums",
@@ -154,17 +155,16 @@ def gather_sequence(x_local: torch.Tensor, *, group=None, dim: int = 1) -> torch
 class ContextParallel:
     """The state of a context-parallel block: this rank's :class:`Collectives` and options (made by :func:`over`).
 
-    Its :meth:`attention` and :meth:`varlen_attention` take the arguments of :func:`cudnn_attention.attention` and
-    :func:`cudnn_attention.varlen_attention` (which call them while the block is active) with this rank's shards.
+    While the block is active, :func:`cudnn_attention.attention` and :func:`cudnn_attention.varlen_attention` hand their
+    arguments to :meth:`serve`, which computes this rank's share of the whole call.
     """
 
     def __init__(self, collectives: Collectives, *, verify: bool):
         self.collectives, self.verify = collectives, verify
         self._previous: list = []
-        # torch.compile breaks its graph around these calls (host reads, collectives): made here, not at import, because
+        # torch.compile breaks its graph around a call (host reads, collectives): made here, not at import, because
         # torch.compiler.disable imports dynamo, which `import cudnn_attention` must not pay for.
-        self._attention_eager = torch.compiler.disable(self._attention)
-        self._varlen_attention_eager = torch.compiler.disable(self._varlen_attention)
+        self._serve_eagerly = torch.compiler.disable(self._serve)
 
     @property
     def rank(self) -> int:
@@ -185,154 +185,75 @@ class ContextParallel:
     def __repr__(self) -> str:
         return f"ContextParallel(rank={self.rank}, world_size={self.world_size}, collectives={type(self.collectives).__name__})"
 
-    def varlen_attention(self, q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, **options):
-        """:func:`cudnn_attention.varlen_attention` (its keyword options) on this rank's (Tl, H, D) shards of the whole packed
-        row ``cu_seqlens_*`` describe (``validate`` is accepted and moot: the documents are read on the host anyway)."""
-        return self._varlen_attention_eager(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, **options)
+    def serve(self, function: str, arguments: dict):
+        """This rank's result of ``cudnn_attention.<function>(**arguments)`` (``"attention"`` or ``"varlen_attention"``), the
+        tensors being this rank's shards; the same return values as the function (``validate`` is moot here)."""
+        return self._serve_eagerly(function, SimpleNamespace(**arguments))
 
-    def attention(self, q, k, v, **options):
-        """:func:`cudnn_attention.attention` (its keyword options) on this rank's (B, H, S/N, D) shards of each sequence
-        (``validate`` is moot)."""
-        return self._attention_eager(q, k, v, **options)
-
-    def _varlen_attention(
-        self,
-        q,
-        k,
-        v,
-        cu_seqlens_q,
-        cu_seqlens_kv,
-        max_seqlen_q,
-        max_seqlen_kv,
-        *,
-        scale=None,
-        causal=False,
-        bottom_right=False,
-        window_size=(-1, -1),
-        sinks=None,
-        return_lse=False,
-        deterministic=None,
-        validate=False,
-    ):
+    def _serve(self, function: str, call: SimpleNamespace):
+        packed = function == "varlen_attention"
         signature, problem, cu, mask = (), None, None, None
         try:
-            mask = make_mask_spec(causal=causal, bottom_right=bottom_right, window_size=window_size)
-            _check_local(q, k, v, sinks, packed=True)
-            cu = _host_prefix_sums(cu_seqlens_q, "cu_seqlens_q")
-            if cu_seqlens_kv is not cu_seqlens_q and _host_prefix_sums(cu_seqlens_kv, "cu_seqlens_kv") != cu:
-                raise ValueError(
-                    "context parallelism serves self-attention (queries and keys are the same tokens): cu_seqlens_kv must equal "
-                    "cu_seqlens_q"
-                )
-            for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_kv", max_seqlen_kv)):
-                if isinstance(value, bool) or not isinstance(value, int):
-                    raise TypeError(f"{name} must be a Python int, got {value!r} ({type(value).__name__})")
-            signature = _signature("varlen_attention", q, k, v, sinks, mask, scale, return_lse, deterministic) + (
-                ("documents (cu_seqlens)", _digest(cu)),
-                ("max_seqlen (q, kv)", (max_seqlen_q, max_seqlen_kv)),
-            )
+            mask = make_mask_spec(causal=call.causal, bottom_right=call.bottom_right, window_size=call.window_size)
+            _check_local(call, packed=packed)
+            signature = _signature(function, call, mask)
+            if packed:
+                cu = _host_prefix_sums(call.cu_seqlens_q, "cu_seqlens_q")
+                signature += (("documents (cu_seqlens)", _digest(cu)), ("max_seqlen (q, kv)", (call.max_seqlen_q, call.max_seqlen_kv)))
         except (TypeError, ValueError) as error:
             problem = str(error)
         self._agree(signature, problem)
-        T = self.world_size * q.shape[0]
-        check_shardable(T, self.world_size, what=f"packed row ({q.shape[0]} tokens on each of {self.world_size} ranks)")
-        _check_documents(cu, T, max_seqlen_q, max_seqlen_kv)
-        plan, tensors = self._varlen_plan(cu_seqlens_q, cu, T, mask, q.device)
-        k_all, v_all = self.collectives.gather_kv(k, v, dim=0)
+        N, local_tokens = self.world_size, call.q.shape[0 if packed else 2]
+        L = N * local_tokens
+        what = "packed row" if packed else "sequence"
+        check_shardable(L, N, what=f"{what} ({local_tokens} tokens on each of {N} ranks)")
+        if packed:
+            _check_documents(cu, L, call.max_seqlen_q, call.max_seqlen_kv)
+            out, lse = self._packed(call, cu, L, mask)
+        else:
+            out, lse = self._dense(call, L, mask)
+        return (out, lse) if call.return_lse else out
+
+    def _packed(self, call, cu: tuple, T: int, mask):
+        plan, tensors = self._varlen_plan(call.cu_seqlens_q, cu, T, mask, call.q.device)
+        k_all, v_all = self.collectives.gather_kv(call.k, call.v, dim=0)
         _note_call(k_all.shape[0], plan.selected_keys)
         results = []
         with _local_calls():
-            for call, (cu_q, cu_kv, rows) in zip(plan.calls, tensors):
-                results.append(
-                    api.varlen_attention(
-                        q,
-                        k_all.index_select(0, rows),
-                        v_all.index_select(0, rows),
-                        cu_q,
-                        cu_kv,
-                        call.max_q,
-                        call.max_kv,
-                        scale=scale,
-                        bottom_right=call.bottom_right,
-                        window_size=call.window,
-                        sinks=sinks if call.with_sinks else None,
-                        return_lse=True,
-                        deterministic=deterministic,
-                    )
-                )
-        out, lse = results[0] if len(results) == 1 else merge_partials(*results[0], *results[1])
-        return (out, lse) if return_lse else out
+            for part, (cu_q, cu_kv, rows) in zip(plan.calls, tensors):
+                k_sel, v_sel = k_all.index_select(0, rows), v_all.index_select(0, rows)
+                local = _local_options(call, part)
+                results.append(api.varlen_attention(call.q, k_sel, v_sel, cu_q, cu_kv, part.max_q, part.max_kv, **local))
+        return results[0] if len(results) == 1 else merge_partials(*results[0], *results[1])
 
-    def _attention(
-        self,
-        q,
-        k,
-        v,
-        *,
-        scale=None,
-        causal=False,
-        bottom_right=False,
-        window_size=(-1, -1),
-        sinks=None,
-        seqlens_q=None,
-        seqlens_kv=None,
-        return_lse=False,
-        deterministic=None,
-        validate=False,
-    ):
-        signature, problem, mask = (), None, None
-        try:
-            mask = make_mask_spec(causal=causal, bottom_right=bottom_right, window_size=window_size)
-            _check_local(q, k, v, sinks, packed=False)
-            if seqlens_q is not None or seqlens_kv is not None:
-                raise ValueError(
-                    "padded dense batches (seqlens_q/seqlens_kv) are not supported under context parallelism: pack the "
-                    "sequences instead (varlen_attention with the whole row's cu_seqlens; shard_batch_for_context_parallel does)"
-                )
-            signature = _signature("attention", q, k, v, sinks, mask, scale, return_lse, deterministic)
-        except (TypeError, ValueError) as error:
-            problem = str(error)
-        self._agree(signature, problem)
-        N, S_l = self.world_size, q.shape[2]
-        S = N * S_l
-        check_shardable(S, N, what=f"sequence ({S_l} tokens on each of {N} ranks)")
-        k_all, v_all = self.collectives.gather_kv(k, v, dim=2)
-        local = dict(scale=scale, return_lse=True, deterministic=deterministic)
+    def _dense(self, call, S: int, mask):
+        N, q = self.world_size, call.q
+        k_all, v_all = self.collectives.gather_kv(call.k, call.v, dim=2)
         if not mask.has_band:
             # Without a band a key's position does not matter: the rank-ordered gather is used as it is, no reordering.
             _note_call(S, S)
             with _local_calls():
-                out, lse = api.attention(q, k_all, v_all, sinks=sinks, **local)
-            return (out, lse) if return_lse else out
+                return api.attention(q, k_all, v_all, scale=call.scale, sinks=call.sinks, return_lse=True, deterministic=call.deterministic)
         plan = _dense_plan(S, N, self.rank, mask.left, mask.right)
         _note_call(S, plan.selected_keys * q.shape[0])
-        C = S_l // 2
+        C = q.shape[2] // 2
         outs, lses = [], []
         with _local_calls():
             for chunk in range(2):  # the rank's two chunks: each its own dense call(s), against the keys it can see
                 q_chunk = q.narrow(2, chunk * C, C)
                 parts = []
-                for call in plan.calls:
-                    start, stop = call.key_ranges[chunk]
+                for part in plan.calls:
+                    start, stop = part.key_ranges[chunk]
                     if stop == start:  # e.g. nothing after the diagonal of the last chunk: that part adds nothing
                         continue
                     rows = _dense_rows(S, N, start, stop, k_all.device)
                     parts.append(
-                        api.attention(
-                            q_chunk,
-                            k_all.index_select(2, rows),
-                            v_all.index_select(2, rows),
-                            bottom_right=call.bottom_right,
-                            window_size=call.window,
-                            sinks=sinks if call.with_sinks else None,
-                            **local,
-                        )
+                        api.attention(q_chunk, k_all.index_select(2, rows), v_all.index_select(2, rows), **_local_options(call, part))
                     )
                 out, lse = parts[0] if len(parts) == 1 else merge_partials(*parts[0], *parts[1])
                 outs.append(out)
                 lses.append(lse)
-        out = _cat_sequence(outs, like=q)
-        return (out, torch.cat(lses, dim=2)) if return_lse else out
+        return _cat_sequence(outs, like=q), torch.cat(lses, dim=2)
 
     def _agree(self, signature: tuple, problem: str | None) -> None:
         """Raise the same ValueError on every rank when some rank's input is bad or the ranks' calls differ."""
@@ -408,53 +329,65 @@ def _note_call(gathered_rows: int, selected_rows: int) -> None:
     STATS["selected_key_rows"] = selected_rows
 
 
-def _check_local(q, k, v, sinks, *, packed: bool) -> None:
-    """What one rank can check alone (its message goes to every rank through ``_agree``)."""
-    rank, layout, seq = (3, "(Tl, H, D)", 0) if packed else (4, "(B, H, S/N, D)", 2)
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != rank:
-            raise ValueError(f"{name} must be {rank}-D {layout}, got shape {tuple(t.shape)}")
-        if not t.is_floating_point():
-            raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
-    if not (q.dtype == k.dtype == v.dtype) or not (q.device == k.device == v.device):
-        raise ValueError(
-            f"q, k and v must share one dtype and device, got {q.dtype}/{k.dtype}/{v.dtype} on {q.device}/{k.device}/{v.device}"
-        )
-    if not packed and not (q.shape[0] == k.shape[0] == v.shape[0]):
-        raise ValueError(f"batch sizes differ: q {q.shape[0]}, k {k.shape[0]}, v {v.shape[0]}")
-    if not (q.shape[seq] == k.shape[seq] == v.shape[seq]):
-        raise ValueError(
-            "context parallelism serves self-attention (queries and keys are the same tokens): q, k and v must hold the same "
-            f"number of local tokens, got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} (KV-cache decoding and "
-            "cross-attention are not context-parallel)"
-        )
-    if k.shape[1] != v.shape[1] or k.shape[1] == 0 or q.shape[1] % k.shape[1] or q.shape[-1] != k.shape[-1]:
-        raise ValueError(
-            f"heads and head dims must fit (H_q a multiple of H_kv, q and k one head dim): q {tuple(q.shape)}, k {tuple(k.shape)}"
-        )
-    if sinks is not None and (not isinstance(sinks, torch.Tensor) or tuple(sinks.shape) != (q.shape[1],)):
-        shape = tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__
-        raise ValueError(f"sinks must be a ({q.shape[1]},) tensor, one per query head, got {shape}")
+def _local_options(call, part) -> dict:
+    """The keyword options of one per-rank call of a plan: the call's scale and determinism, the part's mask, and the
+    sinks only where the plan puts them (each row's denominator gets its sink once)."""
+    return dict(
+        scale=call.scale,
+        bottom_right=part.bottom_right,
+        window_size=part.window,
+        sinks=call.sinks if part.with_sinks else None,
+        return_lse=True,
+        deterministic=call.deterministic,
+    )
 
 
-def _signature(kind: str, q, k, v, sinks, mask, scale, return_lse, deterministic) -> tuple:
+def _check_local(call, *, packed: bool) -> None:
+    """What one rank can check alone (its message goes to every rank through ``_agree``): the core's own checks of the
+    tensors, then what context parallelism adds."""
+    q, k, v = call.q, call.k, call.v
+    validation.check_qkv(q, k, v, packed=packed)
+    validation.check_sinks(call.sinks, q, q.shape[1])
+    seq = 0 if packed else 2
+    if not q.shape[seq] == k.shape[seq]:
+        raise ValueError(
+            "context parallelism serves self-attention (queries and keys are the same tokens): q and k must hold the same "
+            f"number of local tokens, got q {tuple(q.shape)} and k {tuple(k.shape)} (KV-cache decoding and cross-attention "
+            "are not context-parallel)"
+        )
+    if not packed and (call.seqlens_q is not None or call.seqlens_kv is not None):
+        raise ValueError(
+            "padded dense batches (seqlens_q/seqlens_kv) are not supported under context parallelism: pack the sequences "
+            "instead (varlen_attention with the whole row's cu_seqlens; shard_batch_for_context_parallel does)"
+        )
+    if packed:
+        for name in ("max_seqlen_q", "max_seqlen_kv"):
+            value = getattr(call, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be a Python int, got {value!r} ({type(value).__name__})")
+        cu = _host_prefix_sums(call.cu_seqlens_q, "cu_seqlens_q")
+        if call.cu_seqlens_kv is not call.cu_seqlens_q and _host_prefix_sums(call.cu_seqlens_kv, "cu_seqlens_kv") != cu:
+            raise ValueError(
+                "context parallelism serves self-attention (queries and keys are the same tokens): cu_seqlens_kv must equal cu_seqlens_q"
+            )
+
+
+def _signature(function: str, call, mask) -> tuple:
     """What must be equal on every rank, as ``(name, value)`` pairs of host values."""
-    grads = tuple(t is not None and t.requires_grad and torch.is_grad_enabled() for t in (q, k, v, sinks))
+    tensors = (call.q, call.k, call.v, call.sinks)
     return (
-        ("call", kind),
-        ("dtype", str(q.dtype)),
-        ("device type", q.device.type),
-        ("local shape of q", tuple(q.shape)),
-        ("local shape of k", tuple(k.shape)),
-        ("local shape of v", tuple(v.shape)),
+        ("call", function),
+        ("dtype", str(call.q.dtype)),
+        ("device type", call.q.device.type),
+        ("local shape of q", tuple(call.q.shape)),
+        ("local shape of k", tuple(call.k.shape)),
+        ("local shape of v", tuple(call.v.shape)),
         ("window (left, right)", (mask.left, mask.right)),
-        ("scale", scale),
-        ("sinks shape", None if sinks is None else tuple(sinks.shape)),
-        ("requires_grad of (q, k, v, sinks)", grads),
-        ("return_lse", bool(return_lse)),
-        ("deterministic", deterministic),
+        ("scale", call.scale),
+        ("sinks shape", None if call.sinks is None else tuple(call.sinks.shape)),
+        ("requires_grad of (q, k, v, sinks)", tuple(t is not None and t.requires_grad and torch.is_grad_enabled() for t in tensors)),
+        ("return_lse", bool(call.return_lse)),
+        ("deterministic", call.deterministic),
     )
 
 

@@ -8,7 +8,7 @@ D/Dv head dims, b bytes per element, KV = H_kv (D + Dv) b (one token's K and V):
   gradient until the reduce-scatter);
 * selected K/V: the keys this rank's calls read, saved for the backward. For one document filling the row: T without a
   band; T + T / 2N causal (zigzag: chunk r reads (r + 1) C keys, chunk 2N-1-r reads (2N - r) C, C = T / 2N); with a
-  left window w at most 2C + 2w. :func:`memory_per_rank` takes the exact figure from the plan itself
+  left window w at most 2C + 2w. :func:`costs_per_rank` takes the exact figure from the plan itself
   (:func:`~cudnn_attention.cp_sharding.plan_rank`), for the worst rank;
 * workspace (estimate for cuDNN's backward): a float32 dQ accumulator and row statistics, Tl H (4 D + 8), and the
   selected keys' gradient.
@@ -30,32 +30,29 @@ from dataclasses import dataclass
 
 from .cp_sharding import plan_rank
 
-__all__ = ["ALGORITHMS", "RankMemory", "communication_per_layer", "memory_per_rank"]
+__all__ = ["ALGORITHMS", "RankCosts", "costs_per_rank"]
 
 ALGORITHMS = ("all_gather", "ring", "all_to_all")
 
 
 @dataclass(frozen=True)
-class RankMemory:
-    """Bytes per rank for one attention layer (see the module docstring for each term)."""
+class RankCosts:
+    """One attention layer on the worst rank: bytes of memory by term (all-gather algorithm), and ``communication``:
+    ``{algorithm: (forward bytes, backward bytes)}`` received per rank (module docstring)."""
 
     local_activations: int
     gathered_kv: int
     selected_kv: int
     workspace: int
+    communication: dict
 
     @property
     def peak(self) -> int:
-        """An upper estimate of the layer's attention bytes at once: everything above together."""
+        """An upper estimate of the layer's attention bytes at once: every memory term together."""
         return self.local_activations + self.gathered_kv + self.selected_kv + self.workspace
 
 
-def _check(tokens: int, world_size: int) -> None:
-    if world_size < 1 or tokens < 2 * world_size or tokens % (2 * world_size):
-        raise ValueError(f"tokens must be a positive multiple of 2 x world_size = {2 * world_size}, got {tokens}")
-
-
-def memory_per_rank(
+def costs_per_rank(
     *,
     tokens: int,
     world_size: int,
@@ -65,44 +62,25 @@ def memory_per_rank(
     value_head_dim: int | None = None,
     dtype_bytes: int = 2,
     window_size: tuple[int, int] = (-1, 0),
-) -> RankMemory:
-    """Attention memory of the worst rank for one layer, all-gather algorithm, one document of ``tokens`` tokens.
-
-    ``window_size``: FlashAttention's ``(left, right)``; the default ``(-1, 0)`` is causal, ``(-1, -1)`` full attention,
-    ``(w - 1, 0)`` transformers' sliding window of w keys.
-    """
-    _check(tokens, world_size)
+) -> RankCosts:
+    """Memory and communication per rank for one attention layer over one document of ``tokens`` tokens on ``world_size``
+    ranks. ``window_size``: FlashAttention's ``(left, right)``; the default ``(-1, 0)`` is causal, ``(-1, -1)`` full
+    attention, ``(w - 1, 0)`` transformers' sliding window of w keys (the window changes the selected keys only)."""
+    if world_size < 1 or tokens < 2 * world_size or tokens % (2 * world_size):
+        raise ValueError(f"tokens must be a positive multiple of 2 x world_size = {2 * world_size}, got {tokens}")
     Dv = head_dim if value_head_dim is None else value_head_dim
-    Tl = tokens // world_size
+    N, Tl = world_size, tokens // world_size
     kv = kv_heads * (head_dim + Dv) * dtype_bytes
     left, right = window_size
     selected = max(
-        plan_rank((0, tokens), length=tokens, world_size=world_size, rank=rank, left=left, right=right).selected_keys
-        for rank in range(world_size)
+        plan_rank((0, tokens), length=tokens, world_size=N, rank=rank, left=left, right=right).selected_keys for rank in range(N)
     )
-    return RankMemory(
+    gather = (N - 1) * Tl * kv
+    all_to_all = (N - 1) * Tl * (heads * head_dim + kv_heads * (head_dim + Dv) + heads * Dv) * dtype_bytes // N
+    return RankCosts(
         local_activations=Tl * (heads * head_dim + kv_heads * (head_dim + Dv) + heads * Dv) * dtype_bytes + Tl * heads * 4,
         gathered_kv=tokens * kv,
         selected_kv=selected * kv,
         workspace=Tl * heads * (4 * head_dim + 8) + selected * kv,
+        communication={"all_gather": (gather, gather), "ring": (gather, 2 * gather), "all_to_all": (all_to_all, all_to_all)},
     )
-
-
-def communication_per_layer(
-    *,
-    tokens: int,
-    world_size: int,
-    heads: int,
-    kv_heads: int,
-    head_dim: int,
-    value_head_dim: int | None = None,
-    dtype_bytes: int = 2,
-) -> dict[str, tuple[int, int]]:
-    """``{algorithm: (forward bytes, backward bytes)}`` received per rank for one attention layer (module docstring)."""
-    _check(tokens, world_size)
-    Dv = head_dim if value_head_dim is None else value_head_dim
-    N, Tl = world_size, tokens // world_size
-    kv = kv_heads * (head_dim + Dv) * dtype_bytes
-    gather = (N - 1) * Tl * kv
-    all_to_all = (N - 1) * Tl * (heads * head_dim + kv_heads * (head_dim + Dv) + heads * Dv) * dtype_bytes // N
-    return {"all_gather": (gather, gather), "ring": (gather, 2 * gather), "all_to_all": (all_to_all, all_to_all)}

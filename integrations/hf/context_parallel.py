@@ -51,6 +51,7 @@ def shard_batch_for_context_parallel(
     rank: int | None = None,
     pad_token_id: int = 0,
     ignore_index: int = -100,
+    device=None,
 ) -> dict:
     """This rank's shard of ``batch`` (module docstring): keys ``input_ids``, ``position_ids``, ``cu_seq_lens_q``/``_k``,
     ``max_length_q``/``_k``, and with labels ``labels``, ``shift_labels`` and ``num_items_in_batch``.
@@ -62,6 +63,8 @@ def shard_batch_for_context_parallel(
         group: the context-parallel process group (default: the whole world); ``world_size``/``rank`` instead give
             the split without torch.distributed (a simulated split, tests).
         pad_token_id, ignore_index: what pads the row to a multiple of 2N, and the label that is not predicted.
+        device: where the shard goes (default: ``input_ids``'s); the documents are worked out on the host either way, and
+            the prefix sums made there keep their host values (no layer reads them back).
     """
     if world_size is None or rank is None:
         import torch.distributed as dist
@@ -70,7 +73,7 @@ def shard_batch_for_context_parallel(
     input_ids = batch["input_ids"]
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be (batch, sequence), got shape {tuple(input_ids.shape)}")
-    device = input_ids.device
+    device = input_ids.device if device is None else torch.device(device)
     tokens_BS, documents = _documents(batch)
     columns = {"input_ids": input_ids, "position_ids": batch.get("position_ids")}
     row = {name: _flatten(values, tokens_BS) for name, values in columns.items() if values is not None}

@@ -32,7 +32,9 @@ def test_loss_and_gradients_with_two_ranks_equal_one_process(results, case):
     for rank, result in enumerate(results[case]):
         for quantity in ("loss", "grads"):
             error, magnitude = result[quantity]
-            assert error <= TOLERANCE * max(magnitude, 1.0), f"rank {rank}: {quantity} off by {error:.3g} (|ref| {magnitude:.3g}, {result['worst']})"
+            assert error <= TOLERANCE * max(magnitude, 1.0), (
+                f"rank {rank}: {quantity} off by {error:.3g} (|ref| {magnitude:.3g}, {result['worst']})"
+            )
         assert result["sinks_trained"] == case.startswith("gpt_oss")  # the sinks' gradients are among those compared
 
 

@@ -71,7 +71,10 @@ def core_cases(world_size: int) -> list[Case]:
                 cases.append(Case("varlen", mask, dtype, layout))
             cases.append(Case("dense", mask, dtype))
     # Without sinks, and multi-query (one KV head for every query head).
-    cases += [Case("varlen", "causal_window", "float64", "documents_across_borders", sinks=False), Case("dense", "causal", "float64", kv_heads=1)]
+    cases += [
+        Case("varlen", "causal_window", "float64", "documents_across_borders", sinks=False),
+        Case("dense", "causal", "float64", kv_heads=1),
+    ]
     return cases
 
 
@@ -127,7 +130,10 @@ def run_case(case: Case, rank: int, world_size: int, seed: int) -> dict:
     if sinks is not None:
         dist.all_reduce(grads[3])  # the sinks are replicated: their gradient is the group's sum
     result = {"lse_inf_mismatch": [int((torch.isinf(lse_l) != torch.isinf(mine(lse))).sum()), 0]}
-    pairs = [("out", out_l, mine(out)), ("lse", torch.where(torch.isfinite(lse_l), lse_l, 0), mine(torch.where(torch.isfinite(lse), lse, 0)))]
+    pairs = [
+        ("out", out_l, mine(out)),
+        ("lse", torch.where(torch.isfinite(lse_l), lse_l, 0), mine(torch.where(torch.isfinite(lse), lse, 0))),
+    ]
     pairs += [(f"d{name}", got, mine(ref)) for name, got, ref in zip("qkv", grads, reference_grads)]
     if sinks is not None:
         pairs.append(("dsinks", grads[3], reference_grads[3]))
@@ -229,15 +235,14 @@ def run_traffic_case(rank: int, world_size: int) -> dict:
         out = cudnn_attention.varlen_attention(q, k, v, cu, cu, T, T, causal=True)
     out.sum().backward()
     measured = context_parallel.stats()
-    shape = dict(tokens=T, world_size=world_size, heads=H, kv_heads=H_KV, head_dim=D, dtype_bytes=4)
-    model_memory = context_parallel.memory_per_rank(**shape, window_size=(-1, 0))
-    forward, backward = context_parallel.communication_per_layer(**shape)["all_gather"]
+    costs = context_parallel.costs_per_rank(tokens=T, world_size=world_size, heads=H, kv_heads=H_KV, head_dim=D, dtype_bytes=4)
+    forward, backward = costs.communication["all_gather"]
     return {
         "all_gather_bytes": [measured["all_gather_bytes"], forward],
         "reduce_scatter_bytes": [measured["reduce_scatter_bytes"], backward],
-        "gathered_kv_bytes": [measured["gathered_key_rows"] * H_KV * 2 * D * 4, model_memory.gathered_kv],
+        "gathered_kv_bytes": [measured["gathered_key_rows"] * H_KV * 2 * D * 4, costs.gathered_kv],
         # The model gives the worst rank's figure: the test compares it with the largest over the ranks.
-        "selected_kv_bytes": [measured["selected_key_rows"] * H_KV * 2 * D * 4, model_memory.selected_kv],
+        "selected_kv_bytes": [measured["selected_key_rows"] * H_KV * 2 * D * 4, costs.selected_kv],
         "metadata_checks": [measured["metadata_checks"], 1],
     }
 

@@ -50,7 +50,9 @@ def run_suite(name: str, world_size: int, *, timeout: float = 300) -> dict[str, 
                 if process.poll() is None:
                     process.kill()  # only the processes this function started
         failed = [(rank, process.returncode, outputs[rank][1][-4000:]) for rank, process in enumerate(ranks) if process.returncode]
-        assert not failed, f"suite {name} on {world_size} ranks failed: " + "\n".join(f"rank {r} (exit {c}):\n{err}" for r, c, err in failed)
+        assert not failed, f"suite {name} on {world_size} ranks failed: " + "\n".join(
+            f"rank {r} (exit {c}):\n{err}" for r, c, err in failed
+        )
         per_rank = [json.loads(Path(work, f"rank{rank}.json").read_text()) for rank in range(world_size)]
     return {case: [results[case] for results in per_rank] for case in per_rank[0]}
 

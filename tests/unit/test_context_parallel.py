@@ -51,7 +51,9 @@ def _assert_exact(name: str, per_rank: list[dict]) -> None:
     for rank, result in enumerate(per_rank):
         assert result["lse_inf_mismatch"] == [0, 0], f"{name}, rank {rank}: -inf LSE rows differ from the single process's"
         for quantity, (error, magnitude) in result.items():
-            assert quantity == "lse_inf_mismatch" or error <= tolerance * max(magnitude, 1.0), f"{name}, rank {rank}: {quantity} off by {error:.3g} (|ref| {magnitude:.3g})"
+            assert quantity == "lse_inf_mismatch" or error <= tolerance * max(magnitude, 1.0), (
+                f"{name}, rank {rank}: {quantity} off by {error:.3g} (|ref| {magnitude:.3g})"
+            )
 
 
 CASES = [(n, case.name) for n in WORLD_SIZES for case in core_cases(n)]
@@ -188,9 +190,10 @@ def test_causal_plans_read_T_plus_a_chunk_of_keys_and_full_ones_T():
     for rank in range(N):
         assert plan_rank((0, T), length=T, world_size=N, rank=rank, left=-1, right=0).selected_keys == T + T // (2 * N)
         assert plan_rank((0, T), length=T, world_size=N, rank=rank, left=-1, right=-1).selected_keys == T
-    memory = context_parallel.memory_per_rank(tokens=T, world_size=N, heads=4, kv_heads=2, head_dim=8, dtype_bytes=2)
-    assert memory.selected_kv == (T + T // (2 * N)) * 2 * 16 * 2
-    assert memory.gathered_kv == T * 2 * 16 * 2
+    costs = context_parallel.costs_per_rank(tokens=T, world_size=N, heads=4, kv_heads=2, head_dim=8, dtype_bytes=2)
+    assert costs.selected_kv == (T + T // (2 * N)) * 2 * 16 * 2
+    assert costs.gathered_kv == T * 2 * 16 * 2
+    assert costs.communication["all_gather"] == ((N - 1) * (T // N) * 2 * 16 * 2,) * 2
 
 
 def _simulated(api: str, N: int, options: dict, *, dtype=torch.float64, seed=0):
