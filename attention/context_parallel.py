@@ -47,7 +47,7 @@ import torch
 from . import api, cp_state, tensor_memo, validation
 from .cp_collectives import STATS, Collectives, LocalSimulation, ProcessGroupCollectives, SimulatedWorld
 from .cp_costs import RankCosts, costs_per_rank
-from .cp_sharding import check_shardable, gather_rows, plan_rank, shard, shard_positions, unshard
+from .cp_sharding import check_shardable, gather_rows, plan_rank, shard, shard_positions, unshard, window_requests, window_rows
 from .masking import make_mask_spec
 
 __all__ = [
@@ -214,9 +214,20 @@ class ContextParallel:
             out, lse = self._dense(call, L, mask)
         return (out, lse) if call.return_lse else out
 
+    def _keys(self, call, L: int, mask, *, dim: int):
+        """``(k, v, rows)``: the K/V this rank can read keys from, and for each absolute position its row there (-1: not
+        held). A band that fits within a chunk fetches the neighbours' rows it reaches; anything else gathers every rank's."""
+        requests = _window_requests(L, self.world_size, mask.left, mask.right)
+        if requests is None:
+            k_all, v_all = self.collectives.gather_kv(call.k, call.v, dim=dim)
+            return k_all, v_all, _gather_rows(L, self.world_size)
+        k_near, v_near = self.collectives.fetch_kv(call.k, call.v, dim=dim, requests=requests)
+        rows = _window_rows(L, self.world_size, self.rank, mask.left, mask.right)
+        return torch.cat([call.k, k_near], dim=dim), torch.cat([call.v, v_near], dim=dim), rows
+
     def _packed(self, call, cu: tuple, T: int, mask):
-        plan, tensors = self._varlen_plan(call.cu_seqlens_q, cu, T, mask, call.q.device)
-        k_all, v_all = self.collectives.gather_kv(call.k, call.v, dim=0)
+        k_all, v_all, order = self._keys(call, T, mask, dim=0)
+        plan, tensors = self._varlen_plan(call.cu_seqlens_q, cu, T, mask, order, call.q.device)
         _note_call(k_all.shape[0], plan.selected_keys)
         results = []
         with _local_calls():
@@ -228,14 +239,14 @@ class ContextParallel:
 
     def _dense(self, call, S: int, mask):
         N, q = self.world_size, call.q
-        k_all, v_all = self.collectives.gather_kv(call.k, call.v, dim=2)
+        k_all, v_all, order = self._keys(call, S, mask, dim=2)
         if not mask.has_band:
             # Without a band a key's position does not matter: the rank-ordered gather is used as it is, no reordering.
             _note_call(S, S)
             with _local_calls():
                 return api.attention(q, k_all, v_all, scale=call.scale, sinks=call.sinks, return_lse=True, deterministic=call.deterministic)
         plan = _dense_plan(S, N, self.rank, mask.left, mask.right)
-        _note_call(S, plan.selected_keys * q.shape[0])
+        _note_call(k_all.shape[2], plan.selected_keys)
         C = q.shape[2] // 2
         outs, lses = [], []
         with _local_calls():
@@ -246,7 +257,7 @@ class ContextParallel:
                     start, stop = part.key_ranges[chunk]
                     if stop == start:  # e.g. nothing after the diagonal of the last chunk: that part adds nothing
                         continue
-                    rows = _dense_rows(S, N, start, stop, k_all.device)
+                    rows = _dense_rows(S, N, self.rank, mask.left, mask.right, start, stop, k_all.device)
                     parts.append(
                         api.attention(q_chunk, k_all.index_select(2, rows), v_all.index_select(2, rows), **_local_options(call, part))
                     )
@@ -277,20 +288,19 @@ class ContextParallel:
                     "call with its own shard (same shapes, dtypes, options and documents)"
                 )
 
-    def _varlen_plan(self, cu_seqlens: torch.Tensor, cu: tuple, T: int, mask, device):
-        """This rank's plan for the documents ``cu`` and its device tensors ``(cu_q, cu_kv, rows)`` per call, kept on the
-        prefix-sum tensor: every layer of a forward (and every layer with the same mask) shares them."""
+    def _varlen_plan(self, cu_seqlens: torch.Tensor, cu: tuple, T: int, mask, order: torch.Tensor, device):
+        """This rank's plan for the documents ``cu`` and its device tensors ``(cu_q, cu_kv, rows)`` per call (``order``: each
+        position's row in the keys' buffer), kept on the prefix-sum tensor: every layer with the same mask shares them."""
         key = (_PLAN, T, self.world_size, self.rank, mask.left, mask.right, device)
         remembered = tensor_memo.recall(cu_seqlens, key)
         if remembered is not None:
             return remembered
         plan = plan_rank(cu, length=T, world_size=self.world_size, rank=self.rank, left=mask.left, right=mask.right)
-        order = gather_rows(T, self.world_size)
         tensors = tuple(
             (
                 _to_device(torch.tensor(call.cu_q, dtype=torch.int32), device),
                 _to_device(torch.tensor(call.cu_kv, dtype=torch.int32), device),
-                _to_device(order[call.key_positions()], device),
+                _to_device(_held(order[call.key_positions()]), device),
             )
             for call in plan.calls
         )
@@ -430,10 +440,33 @@ def _dense_plan(S: int, N: int, rank: int, left: int, right: int):
     return plan_rank((0, S), length=S, world_size=N, rank=rank, left=left, right=right)
 
 
+# Pure functions of a few ints, asked by every call: computed once per shape (host tensors, a few bytes per token).
+_gather_rows = functools.lru_cache(maxsize=16)(gather_rows)
+
+
+@functools.lru_cache(maxsize=64)
+def _window_requests(L: int, N: int, left: int, right: int):
+    return window_requests(L, N, left=left, right=right)
+
+
+@functools.lru_cache(maxsize=16)
+def _window_rows(L: int, N: int, rank: int, left: int, right: int) -> torch.Tensor:
+    return window_rows(L, N, rank, _window_requests(L, N, left, right))
+
+
 @functools.lru_cache(maxsize=256)
-def _dense_rows(S: int, N: int, start: int, stop: int, device) -> torch.Tensor:
-    """Rows of the rank-ordered gather holding positions ``[start, stop)`` of a sequence of ``S`` tokens."""
-    return _to_device(gather_rows(S, N)[start:stop], device)
+def _dense_rows(S: int, N: int, rank: int, left: int, right: int, start: int, stop: int, device) -> torch.Tensor:
+    """Rows of this rank's key buffer holding positions ``[start, stop)`` (see ``ContextParallel._keys``), on ``device``."""
+    order = _gather_rows(S, N) if _window_requests(S, N, left, right) is None else _window_rows(S, N, rank, left, right)
+    return _to_device(_held(order[start:stop]), device)
+
+
+def _held(rows: torch.Tensor) -> torch.Tensor:
+    """``rows``, after checking that the key buffer holds each of them (a plan reaching past the fetched window would
+    otherwise read row -1, the buffer's last, silently)."""
+    if rows.numel() and int(rows.min()) < 0:
+        raise RuntimeError("cudnn_attention.context_parallel: a plan reads keys this rank did not fetch (a bug: please report it)")
+    return rows
 
 
 def _to_device(t: torch.Tensor, device) -> torch.Tensor:

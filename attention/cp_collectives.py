@@ -6,10 +6,13 @@ simulated rank registered with its :class:`SimulatedWorld`, concatenated by ``to
 ranks' outputs sums each shard's gradient as the reduce-scatter would. The per-rank attention calls are the same code
 either way; the tests run both (the GPU test compares the simulated split with the unsplit cuDNN call).
 
-Two operations:
+Three operations:
 
 * ``gather_kv(k, v, dim=)``: every rank's K and V concatenated along ``dim`` in rank order, differentiable (the
   backward reduce-scatters dK and dV, summed over the ranks that used them);
+* ``fetch_kv(k, v, dim=, requests=)``: the rows of other ranks' K and V this rank asks for (``requests[rank]``:
+  ``(owner, start, stop)``; every rank passes the whole table, so each knows what to send), differentiable (the backward
+  sends each fetched row's gradient back to its owner): a sliding window's neighbours, point to point;
 * ``agree(record)``: every rank's small host record (the call's shapes and options), for the check that turns a
   mismatch into the same ValueError on every rank instead of a collective that never completes. On a process group
   that is not gloo it runs on a gloo twin of the group (host objects only: no device synchronization).
@@ -38,6 +41,10 @@ class Collectives:
 
     def gather_kv(self, k: torch.Tensor, v: torch.Tensor, *, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Every rank's ``k`` and ``v`` concatenated along ``dim`` in rank order (differentiable)."""
+        raise NotImplementedError
+
+    def fetch_kv(self, k: torch.Tensor, v: torch.Tensor, *, dim: int, requests) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows ``requests[self.rank]`` of other ranks' ``k`` and ``v`` along ``dim``, concatenated in order (differentiable)."""
         raise NotImplementedError
 
     def agree(self, record) -> list:
@@ -73,6 +80,48 @@ class ProcessGroupCollectives(Collectives):
         kv_local = torch.cat([k.movedim(dim, 0), v.movedim(dim, 0)], dim=-1)
         kv_all = _AllGatherRows.apply(self, kv_local)
         return kv_all[..., :D].movedim(0, dim), kv_all[..., D:].movedim(0, dim)
+
+    def fetch_kv(self, k, v, *, dim, requests):
+        D = k.shape[-1]
+        kv_local = torch.cat([k.movedim(dim, 0), v.movedim(dim, 0)], dim=-1)
+        fetched = _FetchRows.apply(self, kv_local, requests)
+        return fetched[..., :D].movedim(0, dim), fetched[..., D:].movedim(0, dim)
+
+    def exchange_rows(self, x: torch.Tensor, requests, *, backward: bool = False):
+        """Forward: the rows ``requests[self.rank]`` of the other ranks' ``x``, concatenated. Backward (``x`` holds the
+        gradient of those fetched rows): each piece goes back to its owner, and the pieces others fetched from this rank
+        come back, in the order of ``requests`` (not differentiable)."""
+        import torch.distributed as dist
+
+        mine = requests[self.rank]
+        # What each peer asked of this rank, in the peer's order: sends and receives between two ranks match in order.
+        theirs = [(peer, start, stop) for peer, wanted in enumerate(requests) for owner, start, stop in wanted if owner == self.rank]
+        ops, received = [], []
+        if not backward:
+            for owner, start, stop in mine:
+                received.append(x.new_empty((stop - start, *x.shape[1:])))
+                ops.append(dist.P2POp(dist.irecv, received[-1], self._global(owner), self.group))
+            ops += [dist.P2POp(dist.isend, x[start:stop].contiguous(), self._global(peer), self.group) for peer, start, stop in theirs]
+        else:
+            offsets = [0]
+            for _, start, stop in mine:
+                offsets.append(offsets[-1] + stop - start)
+            for (owner, _, _), a, b in zip(mine, offsets, offsets[1:]):
+                ops.append(dist.P2POp(dist.isend, x[a:b].contiguous(), self._global(owner), self.group))
+            for peer, start, stop in theirs:
+                received.append(x.new_empty((stop - start, *x.shape[1:])))
+                ops.append(dist.P2POp(dist.irecv, received[-1], self._global(peer), self.group))
+        for request in dist.batch_isend_irecv(ops) if ops else ():
+            request.wait()
+        STATS["window_exchange_bytes"] += sum(t.numel() * t.element_size() for t in received)
+        if not backward:
+            return torch.cat(received) if received else x[:0]
+        return received
+
+    def _global(self, rank: int) -> int:
+        import torch.distributed as dist
+
+        return rank if self.group is None else dist.get_global_rank(self.group, rank)
 
     def agree(self, record) -> list:
         import torch.distributed as dist
@@ -140,6 +189,24 @@ class _AllGatherRows(torch.autograd.Function):
         return None, ctx.collectives.reduce_scatter_rows(grad_all)
 
 
+class _FetchRows(torch.autograd.Function):
+    """Point-to-point fetch of other ranks' rows; its backward returns each fetched row's gradient to its owner."""
+
+    @staticmethod
+    def forward(ctx, collectives: ProcessGroupCollectives, x_local, requests):
+        ctx.collectives, ctx.requests, ctx.shape = collectives, requests, x_local.shape
+        return collectives.exchange_rows(x_local, requests)
+
+    @staticmethod
+    def backward(ctx, grad_fetched):
+        collectives, requests = ctx.collectives, ctx.requests
+        grad_local = grad_fetched.new_zeros(ctx.shape)
+        theirs = [(start, stop) for wanted in requests for owner, start, stop in wanted if owner == collectives.rank]
+        for (start, stop), piece in zip(theirs, collectives.exchange_rows(grad_fetched.contiguous(), requests, backward=True)):
+            grad_local[start:stop] += piece
+        return None, grad_local, None
+
+
 class SimulatedWorld:
     """An N-rank split simulated in one process: register each gathered tensor's shards (:meth:`share`), then run each rank's
     calls under ``context_parallel.over(collectives=world.rank(r))``.
@@ -187,6 +254,14 @@ class LocalSimulation(Collectives):
 
     def gather_kv(self, k, v, *, dim):
         return torch.cat(self.world.shards_of(k, self.rank), dim=dim), torch.cat(self.world.shards_of(v, self.rank), dim=dim)
+
+    def fetch_kv(self, k, v, *, dim, requests):
+        pieces = []
+        for local in (k, v):
+            shards = self.world.shards_of(local, self.rank)
+            rows = [shards[owner].narrow(dim, start, stop - start) for owner, start, stop in requests[self.rank]]
+            pieces.append(torch.cat(rows, dim=dim) if rows else local.narrow(dim, 0, 0))
+        return pieces[0], pieces[1]
 
     def agree(self, record) -> list:
         return [record] * self.world_size

@@ -20,6 +20,10 @@ absolute positions, aligned so that the mask, applied by the kernel inside the r
 Queries and keys must be the same tokens (self-attention geometry): then top-left and bottom-right alignment of the
 whole sequence coincide, and one plan serves both.
 
+Where a window's reach fits in a chunk (left and right bounds at most C, neither unbounded), a rank's keys lie in its
+own chunks and the ``left`` tokens before and ``right`` after each: it fetches just those from the neighbouring chunks'
+owners (:func:`window_requests`) instead of gathering every rank's K/V.
+
 Legend: N ranks, r a rank, C tokens per chunk, L row length, T packed tokens, S dense sequence length,
 ``[a, b)`` a half-open range of absolute positions.
 """
@@ -37,6 +41,8 @@ __all__ = [
     "RankPlan",
     "check_shardable",
     "gather_rows",
+    "window_requests",
+    "window_rows",
     "plan_rank",
     "rank_chunks",
     "shard",
@@ -209,3 +215,49 @@ def _call(q_lengths: list[int], key_ranges: list[tuple[int, int]], *, window, bo
         bottom_right=bottom_right,
         with_sinks=with_sinks,
     )
+
+
+def window_requests(length: int, world_size: int, *, left: int, right: int) -> tuple[tuple[tuple[int, int, int], ...], ...] | None:
+    """For each rank, the rows it fetches from other ranks when its keys reach no further than ``left`` tokens before and
+    ``right`` after its chunks: ``(owner rank, first local row, stop local row)`` of the owner's local tensor, in the order
+    the rows are appended after the rank's own. None when a band does not fit within a chunk on both sides (then every
+    rank gathers everything): no band, an unbounded side, or a reach longer than a chunk.
+
+    Chunk c needs the last ``left`` tokens of chunk c-1 and the first ``right`` of chunk c+1; what its own rank holds
+    (chunks N-1 and N are both rank N-1's) is not fetched."""
+    check_shardable(length, world_size)
+    C = length // (2 * world_size)
+    if left < 0 or right < 0 or left > C or right > C:
+        return None
+
+    def owner(chunk: int) -> tuple[int, int]:  # (rank, first local row of the chunk)
+        return (chunk, 0) if chunk < world_size else (2 * world_size - 1 - chunk, C)
+
+    requests = []
+    for rank in range(world_size):
+        wanted = []
+        for chunk in rank_chunks(rank, world_size):
+            if left and chunk >= 1:
+                peer, first = owner(chunk - 1)
+                wanted.append((peer, first + C - left, first + C))
+            if right and chunk <= 2 * world_size - 2:
+                peer, first = owner(chunk + 1)
+                wanted.append((peer, first, first + right))
+        requests.append(tuple(request for request in wanted if request[0] != rank))
+    return tuple(requests)
+
+
+def window_rows(length: int, world_size: int, rank: int, requests) -> torch.Tensor:
+    """(L,) int64: for each absolute position, its row in rank ``rank``'s buffer (its own tokens, then the fetched rows of
+    ``window_requests(...)[rank]`` in order), -1 where the buffer does not hold it."""
+    C = length // (2 * world_size)
+    rows = torch.full((length,), -1, dtype=torch.int64)
+    rows[shard_positions(length, world_size, rank)] = torch.arange(2 * C)
+    order = gather_rows(length, world_size)  # position -> rank-ordered row: invert it for (owner, local row) -> position
+    position_of = torch.empty_like(order)
+    position_of[order] = torch.arange(length)
+    next_row = 2 * C
+    for peer, start, stop in requests[rank]:
+        rows[position_of[peer * 2 * C + start : peer * 2 * C + stop]] = torch.arange(next_row, next_row + stop - start)
+        next_row += stop - start
+    return rows

@@ -223,7 +223,7 @@ def run_bad_case(case: str, rank: int, world_size: int) -> dict:
     return {"raised": None, "message": ""}
 
 
-def run_traffic_case(rank: int, world_size: int) -> dict:
+def run_traffic_case(rank: int, world_size: int, window_size=(-1, 0)) -> dict:
     """One causal varlen call over a single document: the bytes and key rows it moved, and what the cost model says."""
     context_parallel.reset_stats()
     T = 2 * world_size * CHUNK
@@ -232,16 +232,24 @@ def run_traffic_case(rank: int, world_size: int) -> dict:
     v = torch.randn(T // world_size, H_KV, D, requires_grad=True)
     cu = torch.tensor([0, T], dtype=torch.int32)
     with context_parallel.over():
-        out = cudnn_attention.varlen_attention(q, k, v, cu, cu, T, T, causal=True)
+        out = cudnn_attention.varlen_attention(q, k, v, cu, cu, T, T, causal=True, window_size=window_size)
     out.sum().backward()
     measured = context_parallel.stats()
-    costs = context_parallel.costs_per_rank(tokens=T, world_size=world_size, heads=H, kv_heads=H_KV, head_dim=D, dtype_bytes=4)
-    forward, backward = costs.communication["all_gather"]
+    costs = context_parallel.costs_per_rank(
+        tokens=T, world_size=world_size, heads=H, kv_heads=H_KV, head_dim=D, dtype_bytes=4, window_size=window_size
+    )
+    algorithm = costs.algorithm
+    forward, backward = costs.communication[algorithm]
+    received = (
+        measured["window_exchange_bytes"]
+        if algorithm == "window_exchange"
+        else measured["all_gather_bytes"] + measured["reduce_scatter_bytes"]
+    )
+    # The model gives the worst rank's figures: the test compares them with the largest over the ranks.
     return {
-        "all_gather_bytes": [measured["all_gather_bytes"], forward],
-        "reduce_scatter_bytes": [measured["reduce_scatter_bytes"], backward],
-        "gathered_kv_bytes": [measured["gathered_key_rows"] * H_KV * 2 * D * 4, costs.gathered_kv],
-        # The model gives the worst rank's figure: the test compares it with the largest over the ranks.
+        "algorithm": algorithm,
+        "received_bytes": [received, forward + backward],
+        "kv_buffer_bytes": [measured["gathered_key_rows"] * H_KV * 2 * D * 4, costs.kv_buffer],
         "selected_kv_bytes": [measured["selected_key_rows"] * H_KV * 2 * D * 4, costs.selected_kv],
         "metadata_checks": [measured["metadata_checks"], 1],
     }
@@ -253,4 +261,5 @@ def run_core_suite(rank: int, world_size: int) -> dict:
     # After every refusal the group is still in step: a good call completes and is exact.
     results["after_refusals"] = run_case(Case("varlen", "causal_window", "float64", "documents_across_borders"), rank, world_size, seed=99)
     results["traffic"] = run_traffic_case(rank, world_size)
+    results["traffic_window"] = run_traffic_case(rank, world_size, window_size=(CHUNK - 1, 0))
     return results

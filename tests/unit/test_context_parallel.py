@@ -96,15 +96,15 @@ def test_the_group_stays_in_step_after_the_refusals(suite):
     _assert_exact(f"{world_size} ranks, after the refusals", results["after_refusals"])
 
 
-def test_traffic_and_buffers_are_what_the_cost_model_says(suite):
+@pytest.mark.parametrize("traffic, algorithm", [("traffic", "all_gather"), ("traffic_window", "window_exchange")])
+def test_traffic_and_buffers_are_what_the_cost_model_says(suite, traffic, algorithm):
     world_size, results = suite
-    per_rank = results["traffic"]
-    for name in ("all_gather_bytes", "reduce_scatter_bytes", "gathered_kv_bytes", "metadata_checks"):
-        for rank, result in enumerate(per_rank):
-            measured, modelled = result[name]
-            assert measured == modelled, f"rank {rank}: {name} measured {measured}, modelled {modelled}"
-    # The model gives the worst rank's selected keys.
-    assert max(result["selected_kv_bytes"][0] for result in per_rank) == per_rank[0]["selected_kv_bytes"][1]
+    per_rank = results[traffic]
+    assert {result["algorithm"] for result in per_rank} == {algorithm}
+    # The model gives the worst rank's figures (under the window exchange the first and last chunks' ranks fetch less).
+    for name in ("received_bytes", "kv_buffer_bytes", "selected_kv_bytes", "metadata_checks"):
+        measured = [result[name][0] for result in per_rank]
+        assert max(measured) == per_rank[0][name][1], f"{name}: measured per rank {measured}, modelled {per_rank[0][name][1]}"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -192,8 +192,12 @@ def test_causal_plans_read_T_plus_a_chunk_of_keys_and_full_ones_T():
         assert plan_rank((0, T), length=T, world_size=N, rank=rank, left=-1, right=-1).selected_keys == T
     costs = context_parallel.costs_per_rank(tokens=T, world_size=N, heads=4, kv_heads=2, head_dim=8, dtype_bytes=2)
     assert costs.selected_kv == (T + T // (2 * N)) * 2 * 16 * 2
-    assert costs.gathered_kv == T * 2 * 16 * 2
+    assert costs.kv_buffer == T * 2 * 16 * 2 and costs.algorithm == "all_gather"
     assert costs.communication["all_gather"] == ((N - 1) * (T // N) * 2 * 16 * 2,) * 2
+    window = context_parallel.costs_per_rank(tokens=T, world_size=N, heads=4, kv_heads=2, head_dim=8, dtype_bytes=2, window_size=(3, 0))
+    # Own chunks (T / N) plus 3 keys before each chunk, from the neighbours; the same 3 + 3 rows go each way.
+    assert window.algorithm == "window_exchange" and window.kv_buffer == (T // N + 6) * 2 * 16 * 2
+    assert window.communication["window_exchange"] == (6 * 2 * 16 * 2,) * 2
 
 
 def _simulated(api: str, N: int, options: dict, *, dtype=torch.float64, seed=0):
