@@ -8,10 +8,11 @@
 its shard of the context-parallel result (out, LSE, dq, dk, dv, dsinks summed over ranks) with the same call on the
 whole sequence on its own GPU, and the table gives the largest error relative to the result's magnitude.
 ``scaling``: the recipes' model presets (``--size``, ``--family``), one packed document of each ``--tokens`` length split
-over the N ranks, ``--steps`` forward+backward steps: tokens/s per GPU, peak memory per GPU, and the share of the step the
-K/V all-gather and the dK/dV reduce-scatter take (timed with CUDA events around each collective, so the share is an
-upper bound: it stops the overlap those collectives would otherwise get). ``--baseline torch`` runs torch's
-``context_parallel`` (ring over SDPA, causal only; Llama-like models) at the same lengths instead.
+over the N ranks, ``--steps`` forward+backward steps: tokens/s per GPU, peak memory per GPU, and the share of the step
+the K/V collectives take (the all-gather and its reduce-scatter, or a window's point-to-point exchange), each timed
+between two device synchronizations: an upper bound, since those stop the overlap the collectives would otherwise get.
+``--baseline torch`` runs torch's ``context_parallel`` (ring over SDPA, causal only; Llama-like models) at the same
+lengths instead.
 
 On a CPU (gloo) every mode runs too, on the exact fallback: that checks the plumbing, not the speed (the session that
 wrote this had no GPU; the figures come from issue 43's run). Results go to ``<out>/context_parallel_<mode>.md`` and ``.json``.
@@ -96,7 +97,7 @@ def exactness(args) -> list[dict]:
 
 
 class _TimedCollectives(ProcessGroupCollectives):
-    """The collectives with CUDA-event (or wall-clock) timing around each all-gather and reduce-scatter."""
+    """The collectives, each call timed between two device synchronizations."""
 
     seconds = 0.0
 
@@ -116,6 +117,9 @@ class _TimedCollectives(ProcessGroupCollectives):
     def reduce_scatter_rows(self, x):
         return self._timed(super().reduce_scatter_rows, x)
 
+    def exchange_rows(self, x, requests, *, backward=False):
+        return self._timed(lambda t: super(_TimedCollectives, self).exchange_rows(t, requests, backward=backward), x)
+
 
 def scaling(args) -> list[dict]:
     from cudnn_attention.integrations.hf import shard_batch_for_context_parallel
@@ -123,6 +127,8 @@ def scaling(args) -> list[dict]:
     from cudnn_attention.recipes.common.model import build_model
 
     device, dtype = _setup()
+    if args.baseline == "torch" and device.type != "cuda":
+        raise SystemExit("--baseline torch needs GPUs: torch's context_parallel has no sharding rule for the CPU's SDPA kernel")
     N = dist.get_world_size()
     implementation = "sdpa" if args.baseline == "torch" else "cudnn"
     shape = model_shape(family=args.family, size=args.size)
@@ -158,7 +164,9 @@ def scaling(args) -> list[dict]:
         step_s = sum(seconds) / len(seconds)
         rows.append(
             {
-                "implementation": "torch context_parallel (sdpa)" if args.baseline == "torch" else "cudnn_attention all-gather",
+                "implementation": "torch context_parallel (sdpa)"
+                if args.baseline == "torch"
+                else "cudnn_attention (all-gather, window exchange)",
                 "family": args.family,
                 "size": args.size,
                 "gpus": N,
