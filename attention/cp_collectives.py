@@ -13,9 +13,11 @@ Three operations:
 * ``fetch_kv(k, v, dim=, requests=)``: the rows of other ranks' K and V this rank asks for (``requests[rank]``:
   ``(owner, start, stop)``; every rank passes the whole table, so each knows what to send), differentiable (the backward
   sends each fetched row's gradient back to its owner): a sliding window's neighbours, point to point;
-* ``agree(record)``: every rank's small host record (the call's shapes and options), for the check that turns a
-  mismatch into the same ValueError on every rank instead of a collective that never completes. On a process group
-  that is not gloo it runs on a gloo twin of the group (host objects only: no device synchronization).
+* ``agree_ints(values)`` and ``agree(record)``: every rank's few integers (a fingerprint of the call's shapes and
+  options: one small all-gather per call) or small host record (exchanged only when the fingerprints differ, for the
+  error message), for the check that turns a mismatch into the same ValueError on every rank instead of a collective
+  that never completes. On a process group that is not gloo they run on a gloo twin of the group (host values only:
+  no device synchronization).
 
 Traffic is counted in :data:`STATS` (bytes each rank receives), read by :func:`cudnn_attention.context_parallel.stats`.
 """
@@ -49,6 +51,10 @@ class Collectives:
 
     def agree(self, record) -> list:
         """Every rank's ``record`` (a small picklable host value), in rank order."""
+        raise NotImplementedError
+
+    def agree_ints(self, values: tuple[int, ...]) -> list[tuple[int, ...]]:
+        """Every rank's ``values`` (a few int64s, the same count on every rank), in rank order: one small collective."""
         raise NotImplementedError
 
 
@@ -129,6 +135,15 @@ class ProcessGroupCollectives(Collectives):
         records = [None] * self.world_size
         dist.all_gather_object(records, record, group=self.metadata_group())
         return records
+
+    def agree_ints(self, values):
+        import torch.distributed as dist
+
+        mine = torch.tensor(values, dtype=torch.int64)
+        every = mine.new_empty(self.world_size * mine.numel())
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
+        gather(every, mine, group=self.metadata_group())
+        return [tuple(row) for row in every.view(self.world_size, -1).tolist()]
 
     def metadata_group(self):
         """The gloo group :meth:`agree` runs on (see the class docstring)."""
@@ -265,3 +280,6 @@ class LocalSimulation(Collectives):
 
     def agree(self, record) -> list:
         return [record] * self.world_size
+
+    def agree_ints(self, values):
+        return [tuple(values)] * self.world_size
