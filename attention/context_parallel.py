@@ -22,8 +22,9 @@ Inside the block (see :func:`over`):
   gradient average; see the README's "Context parallelism").
 
 Algorithm (docs/decisions/0019): each rank all-gathers K and V (one collective; the backward reduce-scatters dK/dV),
-copies the keys each of its sub-documents can see into one contiguous buffer (``index_select``), and makes one varlen
-call, or two merged by their LSEs for a band reaching past the diagonal (:mod:`.cp_sharding` says which keys).
+or, for a band that fits within a chunk, fetches only the neighbouring chunks' rows it reaches (point to point); copies
+the keys each of its sub-documents can see into one contiguous buffer (``index_select``), and makes one varlen call, or
+two merged by their LSEs for a band reaching past the diagonal (:mod:`.cp_sharding` says which keys).
 
 Before any collective, each call's shapes, dtypes, options and documents are compared across the group on the host
 (``verify=True``, the default: one all-gather of two integers per call on a gloo group, no device synchronization): a
@@ -104,9 +105,10 @@ def active() -> ContextParallel | None:
 
 
 def stats() -> dict:
-    """Counts since import (or :func:`reset_stats`): ``all_gather_bytes``/``reduce_scatter_bytes`` received by this rank,
-    ``metadata_checks``, ``prefix_sum_host_reads`` (device synchronizations), ``calls``, and the last call's
-    ``gathered_key_rows`` and ``selected_key_rows`` (rows of the gathered K/V and of the buffer its calls read)."""
+    """Counts since import (or :func:`reset_stats`): bytes this rank received (``all_gather_bytes``, ``reduce_scatter_bytes``,
+    ``window_exchange_bytes``, forward and backward), ``metadata_checks``, ``prefix_sum_host_reads`` (device
+    synchronizations), ``calls``, and the last call's ``gathered_key_rows`` and ``selected_key_rows`` (rows of the K/V it
+    read keys from, gathered or fetched, and of the buffer its kernels read)."""
     return dict(STATS)
 
 
