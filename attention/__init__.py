@@ -15,11 +15,13 @@ transformers' modeling code is loaded already, the name is registered at once in
 else. The cuDNN frontend is imported on the first GPU call. This module is the only one of the package that
 imports an integration: the core modules beside it import none.
 
+Context parallelism (a process group sharding each sequence): :mod:`cudnn_attention.context_parallel`.
+
 FlashAttention-style code swaps one import: :mod:`cudnn_attention.flash_attn_interface` has ``flash_attn_func``,
 ``flash_attn_varlen_func`` and their packed and KV-cache variants, with FlashAttention's arguments.
 """
 
-from . import flash_attn_interface, flop_formulas
+from . import context_parallel, flash_attn_interface, flop_formulas
 from .api import attention, varlen_attention
 from .integrations.hf import load_hook as _hf_load_hook
 from .packed_batch import PackedBatch, packed_batch
@@ -46,6 +48,7 @@ __all__ = [
     "ProviderHandle",
     "StrictModeError",
     "attention",
+    "context_parallel",
     "enabled",
     "flash_attn_interface",
     "flat_stats",

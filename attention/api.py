@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from . import cp_state, validation
 from . import plan as plans
-from . import validation
 from .call import NO_LENGTHS, Prepared, packed_lengths, padding_lengths
 from .call_keys import argument_options, served_key
 from .cudnn_graphs import memoize, memoized
@@ -82,6 +82,8 @@ def attention(
     :func:`cudnn_attention.policy.fallback_in_graph`; a refused compiled call raises after computing,
     before returning). ``validate=True`` reads lengths on the host, which a full graph cannot.
     """
+    if cp_state.active is not None:  # inside context_parallel.over(): q/k/v are this rank's shards (context_parallel.py)
+        return cp_state.active.serve("attention", locals())  # locals(): this call's arguments, by name (nothing else is bound yet)
     key = None
     if not validate:
         options = argument_options(
@@ -166,6 +168,8 @@ def varlen_attention(
         inputs), differentiable as in :func:`attention` (``-inf`` on tokens in no document or in a document
         without keys).
     """
+    if cp_state.active is not None:  # inside context_parallel.over(): q/k/v are this rank's shards (context_parallel.py)
+        return cp_state.active.serve("varlen_attention", locals())
     key = None
     if not validate:
         options = argument_options(

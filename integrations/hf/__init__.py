@@ -4,6 +4,7 @@
 (without importing transformers itself); :func:`register` does it explicitly, :func:`unregister` undoes
 both. :func:`switch_to_cudnn` moves the models inside any module to ``"cudnn"`` and gives them back.
 ``cudnn-attention run -- <command>`` makes the name available in a command you do not edit (:mod:`.launch`).
+:func:`shard_batch_for_context_parallel` cuts a batch for a context-parallel forward (:mod:`.context_parallel`).
 
 Example:
     >>> import cudnn_attention
@@ -14,6 +15,7 @@ Example:
 """
 
 from .attention_function import cudnn_attention_forward
+from .context_parallel import shard_batch_for_context_parallel
 from .mask_function import cudnn_attention_mask
 from .model_switch import ModelSwitch, switch_to_cudnn
 from .registration import ATTN_IMPLEMENTATION, is_registered, register, register_when_transformers_loads, unregister
@@ -26,6 +28,7 @@ __all__ = [
     "is_registered",
     "register",
     "register_when_transformers_loads",
+    "shard_batch_for_context_parallel",
     "switch_to_cudnn",
     "unregister",
 ]

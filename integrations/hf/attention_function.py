@@ -16,13 +16,17 @@ Contract (transformers 5.x): ``fn(module, query, key, value, attention_mask, dro
    predecessor starts a document, as in transformers' eager mask) -> the packed path (finding the
    documents reads them on the host, once per forward);
 5. dense, causal per transformers' resolution, bottom-right aligned when decoding from a cache.
+
+Inside ``cudnn_attention.context_parallel.over(group)`` the tensors are this rank's zigzag shard of each sequence and
+``_context_parallel`` serves them instead (no eager fallback exists for a sharded sequence: what cuDNN's path cannot
+express there is refused, before any collective).
 """
 
 from __future__ import annotations
 
 import torch
 
-from ... import dtypes, tensor_memo
+from ... import context_parallel, dtypes, tensor_memo
 from ...api import attention, varlen_attention
 from ...call import needs_grad as _needs_grad
 from ...packed_batch import packed_batch
@@ -43,6 +47,10 @@ def cudnn_attention_forward(
         is_causal = getattr(module, "is_causal", True)
     sinks = kwargs.get("s_aux")
     query, key, value = _to_compute_dtype(query, key, value)
+    if context_parallel.active() is not None:
+        return _context_parallel(
+            query, key, value, attention_mask, dropout, scaling, sliding_window, softcap, is_causal, sinks, kwargs
+        ), None
     B, H, q_len, _ = query.shape
     kv_len = key.shape[2]
     if attention_mask is not None:
@@ -101,6 +109,49 @@ def cudnn_attention_forward(
 
     out = attention(query, key, value, bottom_right=q_len != kv_len, window_size=_window(sliding_window, is_causal, kv_len), **options)
     return out.transpose(1, 2), None
+
+
+def _context_parallel(query, key, value, attention_mask, dropout, scaling, sliding_window, softcap, is_causal, sinks, kwargs):
+    """(B, S/N, H, D_v) under context parallelism: the whole row's documents from ``cu_seq_lens_*`` (one packed row, as
+    ``shard_batch_for_context_parallel`` gives it), else every row one dense sequence."""
+    reason = _inexpressible(attention_mask, dropout, softcap, kwargs)
+    if reason is None and attention_mask is not None:
+        reason = "a padding attention_mask (shard_batch_for_context_parallel packs the kept tokens instead)"
+    B, _, q_len, _ = query.shape
+    if reason is None and q_len != key.shape[2]:
+        reason = f"a KV cache ({q_len} queries, {key.shape[2]} keys)"
+    if reason is not None:
+        raise ValueError(f"context parallelism: attn_implementation='cudnn' cannot serve {reason} on sharded sequences")
+    options = dict(scale=scaling, causal=is_causal, sinks=sinks)
+    cu_q, cu_k, max_q, max_k = (kwargs.get(name) for name in _FLASH_KWARGS)
+    if cu_q is not None or cu_k is not None:
+        if B != 1 or cu_k is None or max_q is None or max_k is None:
+            raise ValueError(
+                "context parallelism: cu_seq_lens_q/k describe one packed row and come with max_length_q/k "
+                f"(shard_batch_for_context_parallel gives them); got a batch of {B} rows"
+            )
+        return _packed(
+            query, key, value, cu_q, cu_k, int(max_q), int(max_k), window=_window(sliding_window, is_causal, int(max_k)), **options
+        )
+    _check_sharded_positions(kwargs.get("position_ids"), q_len)
+    S = q_len * context_parallel.active().world_size
+    return attention(query, key, value, window_size=_window(sliding_window, is_causal, S), **options).transpose(1, 2)
+
+
+def _check_sharded_positions(position_ids, q_len: int) -> None:
+    """Without ``cu_seq_lens_*`` each row is one sequence, so its positions must be this rank's zigzag share of 0..S-1:
+    packed ``position_ids`` would otherwise be served as one sequence (its documents cannot be found in a shard). Read on
+    the host once per ``position_ids`` tensor (every layer of a forward shares it)."""
+    if position_ids is None or tensor_memo.recall(position_ids, "context-parallel positions") is not None:
+        return
+    active = context_parallel.active()
+    expected = context_parallel.shard_positions(q_len * active.world_size, active.world_size, active.rank).to(position_ids.device)
+    if not bool((position_ids.reshape(-1, q_len) == expected).all()):
+        raise ValueError(
+            "context parallelism: position_ids are not this rank's share of one sequence per row (packed documents?): pass "
+            "the batch through shard_batch_for_context_parallel, which gives the whole row's cu_seq_lens_q/k"
+        )
+    tensor_memo.remember(position_ids, "context-parallel positions", True)
 
 
 def _check_mask(attention_mask, *, batch: int, heads: int, q_len: int, kv_len: int, causal: bool) -> None:

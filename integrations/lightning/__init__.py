@@ -7,6 +7,7 @@
   ``on_exception``. LightningCLI: ``--trainer.callbacks+=cudnn_attention.integrations.lightning.CudnnAttention``;
   unedited scripts: ``CUDNN_ATTENTION=1`` (entry points in :mod:`.factory`).
 - :func:`fabric_attention`: the same switch as a context manager (or ``Fabric(callbacks=[CudnnAttention()])``).
+- :func:`context_parallel_group`: the context-parallel group from ``ModelParallelStrategy``'s device mesh.
 - ``CudnnThroughputMonitor`` / :func:`make_throughput`: tokens/s and MFU with the dense bf16 peak
   of :mod:`cudnn_attention.integrations.throughput` (Lightning's own table has none for an H200).
 
@@ -18,8 +19,17 @@ from __future__ import annotations
 
 from ._switch import AttentionSwitch, CudnnAttentionHooks, fabric_attention
 from ._throughput import make_throughput
+from .context_parallel import context_parallel_group
 
-__all__ = ["AttentionSwitch", "CudnnAttention", "CudnnAttentionHooks", "CudnnThroughputMonitor", "fabric_attention", "make_throughput"]
+__all__ = [
+    "AttentionSwitch",
+    "CudnnAttention",
+    "CudnnAttentionHooks",
+    "CudnnThroughputMonitor",
+    "context_parallel_group",
+    "fabric_attention",
+    "make_throughput",
+]
 
 _LAZY = {"CudnnAttention": ".callback", "CudnnThroughputMonitor": ".throughput_monitor"}
 

@@ -302,3 +302,10 @@ class RunOptions:
     overwrite_output_dir: bool = field(
         default=False, metadata={"help": "write into an output directory that already holds a run's metrics.json"}
     )
+    context_parallel: int = field(
+        default=1,
+        metadata={
+            "help": "split each pack's tokens across N ranks (context parallelism, the recipe's own loop): a CPU starts N gloo "
+            "processes; GPUs need N processes per pack from torchrun/accelerate launch"
+        },
+    )

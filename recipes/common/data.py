@@ -28,6 +28,7 @@ __all__ = [
     "PackedDataset",
     "RecipeDataWarning",
     "build_dataset",
+    "dataset_of",
     "cut_documents",
     "load_texts",
     "pack_documents",
@@ -212,3 +213,16 @@ def build_dataset(
             f"longer documents ({flag('min_doc_tokens')}) or a larger {flag('tokens_per_step')}"
         )
     return PackedDataset(packs)
+
+
+def dataset_of(options, *, tokenizer, seed: int) -> PackedDataset:
+    """:func:`build_dataset` from a resolved :class:`~.config.RecipeOptions` (its data file and budget): what each engine trains on."""
+    return build_dataset(
+        tokenizer=tokenizer,
+        dataset=options.dataset,
+        text_field=options.text_field,
+        tokens_per_step=options.tokens_per_step,
+        min_doc_tokens=options.min_doc_tokens,
+        max_doc_tokens=options.max_doc_tokens,
+        seed=seed,
+    )

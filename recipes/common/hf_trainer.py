@@ -28,12 +28,11 @@ from .config import (
     RunOptions,
     check_machine,
     check_strict,
-    model_shape,
 )
-from .data import STATS_KEY, PackedCollator, build_dataset
+from .data import STATS_KEY, PackedCollator, dataset_of
 from .errors import RecipeError, flag, option_strings, usage_error
 from .flops import step_flops_of
-from .model import build_model
+from .model import model_of
 from .reporting import RunResult, announce_run, fallback_announced, finish, format_mfu, format_rate
 from .run_dirs import checked_output_dir, new_run_dir, remove_empty_dirs
 from .steps import StepRecorder
@@ -186,19 +185,9 @@ def train_once(options: RecipeOptions, args, implementation: str, *, dataset, to
     """Train ``args.max_steps`` steps with ``implementation`` from the seed's initial weights; return what was measured."""
     PackedTrainer = _trainer_classes()
     cuda = args.device.type == "cuda"
-    shape = None if options.checkpoint else model_shape(family=options.family, size=options.size)
-    model = build_model(
-        attn_implementation=implementation,
-        family=options.family,
-        shape=shape,
-        vocab_size=tokenizer.vocab_size,
-        max_positions=max(4096, options.max_doc_tokens),
-        checkpoint=options.checkpoint,
-        tokenizer=tokenizer,
-        device=args.device,
-        dtype=torch.bfloat16 if cuda else torch.float32,  # bf16 weights on a GPU (what cuDNN serves); the CPU fallback computes in fp32
-        seed=args.seed,
-    )
+    # bf16 weights on a GPU (what cuDNN serves); the CPU fallback computes in fp32
+    dtype = torch.bfloat16 if cuda else torch.float32
+    model = model_of(options, implementation=implementation, tokenizer=tokenizer, device=args.device, dtype=dtype, seed=args.seed)
     # step_flops_of before any wrapping (FSDP shards the parameters)
     recorder = StepRecorder(step_flops=step_flops_of(model), device=args.device, planned_steps=args.max_steps, world_size=args.world_size)
     trainer = PackedTrainer(model=model, args=args, train_dataset=dataset, data_collator=PackedCollator(), recorder=recorder)
@@ -240,15 +229,7 @@ def run(options: RecipeOptions, run_options: RunOptions, args, *, recipe: str) -
     if args.output_dir is not None:  # a folder that cannot take the results is refused before the data is read (_run_dir again below)
         checked_output_dir(args.output_dir, overwrite=run_options.overwrite_output_dir)
     tokenizer = load_tokenizer(tokenizer=options.tokenizer, checkpoint=options.checkpoint)
-    dataset = build_dataset(
-        tokenizer=tokenizer,
-        dataset=options.dataset,
-        text_field=options.text_field,
-        tokens_per_step=options.tokens_per_step,
-        min_doc_tokens=options.min_doc_tokens,
-        max_doc_tokens=options.max_doc_tokens,
-        seed=args.seed,
-    )
+    dataset = dataset_of(options, tokenizer=tokenizer, seed=args.seed)
     if main_process:
         announce_run(
             recipe=recipe,
@@ -293,4 +274,8 @@ def run(options: RecipeOptions, run_options: RunOptions, args, *, recipe: str) -
 def main(argv: list[str] | None = None, *, recipe: str, family: str) -> dict:
     """Programmatic entry of a Trainer recipe (``argv``: its command-line flags); ``family`` is the recipe's default model."""
     options, run_options, args = parse(argv, family=family)
+    if run_options.context_parallel != 1:  # 1: the Trainer as before; else the context-parallel loop (which refuses < 1)
+        from .context_parallel import run_context_parallel
+
+        return run_context_parallel(options, run_options, args, recipe=recipe)
     return run(options, run_options, args, recipe=recipe)

@@ -12,7 +12,7 @@ import torch
 
 import cudnn_attention  # noqa: F401  (registers attn_implementation="cudnn" when transformers loads)
 
-from .config import ModelShape
+from .config import ModelShape, model_shape
 from .errors import RecipeError
 
 __all__ = [
@@ -20,6 +20,7 @@ __all__ = [
     "UnsupportedImplementation",
     "build_model",
     "hf_config",
+    "model_of",
     "packing_safe_masks",
     "training_experts",
 ]
@@ -128,6 +129,22 @@ def build_model(
     # from_pretrained returns a model in eval mode; Lightning keeps each module's mode (and warns), so a checkpoint
     # would otherwise train without what train mode turns on (the checkpoint's dropout, for one).
     return model.train()
+
+
+def model_of(options, *, implementation: str, tokenizer, device, dtype, seed: int):
+    """:func:`build_model` from a resolved :class:`~.config.RecipeOptions`: its checkpoint, or its family at its size."""
+    return build_model(
+        attn_implementation=implementation,
+        family=options.family,
+        shape=None if options.checkpoint else model_shape(family=options.family, size=options.size),
+        vocab_size=tokenizer.vocab_size,
+        max_positions=max(4096, options.max_doc_tokens),
+        checkpoint=options.checkpoint,
+        tokenizer=tokenizer,
+        device=device,
+        dtype=dtype,
+        seed=seed,
+    )
 
 
 @contextlib.contextmanager
