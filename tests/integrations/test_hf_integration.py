@@ -260,16 +260,22 @@ def test_output_attentions_goes_to_the_eager_path_visibly():
 
 
 def test_mask_function_limits_static_cache_keys():
-    # A static cache's unwritten slots are told by the mask's width (the keys written), never by zeros in it.
+    # A static cache's unwritten slots are told by the written length (a tensor for a static cache), never by zeros in
+    # the mask: its slot map has the cache's width, -1 past the written keys, 0 for padding.
     from cudnn_attention.integrations.hf import cudnn_attention_mask
 
-    keep = cudnn_attention_mask(
+    slots = cudnn_attention_mask(
         batch_size=2, q_length=1, kv_length=8, q_offset=torch.tensor(4), kv_offset=0, attention_mask=None, device="cpu"
     )
-    assert keep.shape == (2, 5) and keep.all()
+    assert slots.dtype == torch.int8 and slots.tolist() == [[1] * 5 + [-1] * 3] * 2
     padding = torch.tensor([[0, 1, 1, 1, 1], [1, 1, 1, 1, 1]], dtype=torch.bool)
+    slots = cudnn_attention_mask(batch_size=2, q_length=1, kv_length=8, q_offset=torch.tensor(4), kv_offset=0, attention_mask=padding)
+    assert slots.tolist() == [[0, 1, 1, 1, 1, -1, -1, -1], [1, 1, 1, 1, 1, -1, -1, -1]]
+    # generate passes that map back into the forward cast to bool (-1 is True there): the same map comes out.
+    again = cudnn_attention_mask(batch_size=2, q_length=1, kv_length=8, q_offset=torch.tensor(4), kv_offset=0, attention_mask=slots.bool())
+    assert torch.equal(again, slots)
     keep = cudnn_attention_mask(batch_size=2, q_length=1, kv_length=8, q_offset=4, kv_offset=0, attention_mask=padding)
-    assert keep.tolist() == padding.tolist()
+    assert keep.tolist() == padding.tolist()  # a written length known as an int: the keep-mask of the written keys
     assert (
         cudnn_attention_mask(batch_size=2, q_length=5, kv_length=5, q_offset=0, attention_mask=torch.ones(2, 5, dtype=torch.bool)) is None
     )
@@ -296,10 +302,9 @@ def test_mask_function_traces_without_data_dependent_branches():
         )
 
     compiled = torch.compile(build_mask, fullgraph=True, backend="eager")
-    padding = torch.tensor([[0, 1, 1, 1, 1], [1, 1, 1, 1, 1]], dtype=torch.bool)
-    assert torch.equal(compiled(padding, torch.tensor(4)), padding)
-    full = torch.ones(2, 5, dtype=torch.bool)
-    assert torch.equal(compiled(full, torch.tensor(4)), full)  # 5 of 8 written: the mask stays, whatever its values
+    padding = torch.tensor([[0, 1, 1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1, 1]], dtype=torch.bool)
+    assert compiled(padding, torch.tensor(4)).tolist() == [[0, 1, 1, 1, 1, -1, -1, -1], [1, 1, 1, 1, 1, -1, -1, -1]]
+    assert compiled(padding, torch.tensor(5)).tolist() == [[0, 1, 1, 1, 1, 1, -1, -1], [1, 1, 1, 1, 1, 1, -1, -1]]
 
 
 def compare_with_eager(name, **inputs):
@@ -389,7 +394,7 @@ def test_compiled_generation_traces_the_hf_layer(name):
 
 def test_compiled_static_cache_decoding_without_a_mask():
     # A compiled forward called directly with a static cache and no mask: the written length is a tensor while
-    # tracing, so the mask function hands over transformers' 4-D mask and the exact eager path serves the step.
+    # tracing, and the mask function's slot map tells the attention function which slots hold keys.
     from transformers import StaticCache
 
     torch._dynamo.reset()
@@ -407,10 +412,11 @@ def test_compiled_static_cache_decoding_without_a_mask():
         step = forward(ids[:, 4:], None, None, cache).logits
     assert_close_rel(torch.cat([prefill, step], dim=1), expected, "compiled static-cache logits")
     # The compiled graphs count what they run, per call, as eager does: the prefill's core calls (two per layer: without
-    # gradients the HF layer computes the last query row on its own too, see _masked) and the step's HF-layer fallback.
+    # gradients the HF layer computes the last query row on its own too, see _masked) and the step's (one per layer: a
+    # single query). The step once went to the eager-equivalent path on transformers' 4-D mask; none does now.
     fallbacks = cudnn_attention.stats()["fallback_forward"]
     layers = model.config.num_hidden_layers
-    assert fallbacks == {"cpu tensors": 2 * layers, "transformers: a 4-D attention mask (model-specific mask functions)": layers}, fallbacks
+    assert fallbacks == {"cpu tensors": 3 * layers}, fallbacks
 
 
 @pytest.mark.parametrize("name", MODELS)
