@@ -222,11 +222,14 @@ def env_flag(name: str) -> bool:
 def set_strict(enabled: bool | None) -> bool | None:
     """Set strict mode process-wide; ``None`` defers to ``CUDNN_ATTENTION_STRICT`` again.
 
-    Returns the previous process-wide setting, so a caller can put it back.
+    Returns the previous process-wide setting, so a caller can put it back. Anything but ``True``, ``False`` or
+    ``None`` raises ``TypeError`` naming it (``"false"`` would otherwise read as true).
     """
     global _strict_global
+    if enabled is not None and not isinstance(enabled, bool):
+        raise TypeError(f"set_strict() takes True, False or None, got {enabled!r}")
     previous = _strict_global
-    _strict_global = None if enabled is None else bool(enabled)
+    _strict_global = enabled
     return previous
 
 
@@ -239,7 +242,9 @@ def strict(enabled: bool = True):
         >>> with cudnn_attention.strict():
         ...     out = cudnn_attention.attention(q, k, v, causal=True)  # raises if cuDNN cannot serve it
     """
-    token = _strict_scope.set(bool(enabled))
+    if not isinstance(enabled, bool):
+        raise TypeError(f"strict() takes True or False, got {enabled!r}")
+    token = _strict_scope.set(enabled)
     try:
         yield
     finally:
