@@ -108,6 +108,38 @@ def test_nested_switches_leave_a_model_to_the_switch_that_moved_it():
     assert _compat.attn_implementation_of(model) == "sdpa"
 
 
+def test_switch_given_a_trainer_says_to_pass_its_model(tmp_path):
+    # It once failed deep inside with "AttributeError: 'Trainer' object has no attribute 'modules'".
+    from transformers import Trainer, TrainingArguments
+
+    from cudnn_attention.integrations.hf import ModelSwitch, switch_to_cudnn
+
+    model = build("llama", "eager")
+    trainer = Trainer(model=model, args=TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none"))
+    expected = r"takes a torch\.nn\.Module .* got a transformers\.trainer\.Trainer: pass its model, switch_to_cudnn\(trainer\.model\)"
+    with pytest.raises(TypeError, match=expected):
+        switch_to_cudnn(trainer)
+    with pytest.raises(TypeError, match=r"got a str: pass"):
+        ModelSwitch().apply("meta-llama/Llama-3.2-1B")
+    assert _compat.attn_implementation_of(model) == "eager"
+    with switch_to_cudnn(trainer.model):
+        assert _compat.attn_implementation_of(model) == "cudnn"
+
+
+def test_switch_with_no_hugging_face_model_inside_says_so():
+    import warnings
+
+    from cudnn_attention.integrations.hf import switch_to_cudnn
+
+    with pytest.warns(UserWarning, match=r"no Hugging Face model \(transformers\.PreTrainedModel\) inside the Linear") as caught:
+        switch = switch_to_cudnn(torch.nn.Linear(2, 2))
+    assert switch.models == [] and caught[0].filename == __file__  # the warning names the caller's line
+    model = build("llama", "sdpa")
+    with switch_to_cudnn(model), warnings.catch_warnings():
+        warnings.simplefilter("error")  # a model held by another switch is no mistake: no warning
+        assert switch_to_cudnn(model).models == []
+
+
 def test_switch_restores_on_error_and_reapplies_after_a_move_in_between():
     from cudnn_attention.integrations.hf import ModelSwitch
 
