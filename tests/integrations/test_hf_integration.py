@@ -280,6 +280,18 @@ def test_static_cache_generation_matches_eager():
     assert torch.equal(model.generate(ids, **kwargs), expected)
 
 
+def test_fallback_warning_names_the_users_line_through_transformers():
+    # Through transformers' modeling code the warning once named the package's own attention function.
+    import sys
+
+    model = build("llama", "cudnn")
+    ids = random_ids(1, 6)
+    with torch.no_grad(), pytest.warns(cudnn_attention.CudnnAttentionFallbackWarning, match="cpu tensors") as record:
+        line = sys._getframe().f_lineno + 1
+        model(ids)
+    assert [(w.filename, w.lineno) for w in record] == [(__file__, line)]
+
+
 def test_output_attentions_goes_to_the_eager_path_visibly():
     model = build("llama", "cudnn")
     ids = random_ids(1, 6)
