@@ -33,7 +33,7 @@ from .policy import (
     stats,
     strict,
 )
-from .provider import ProviderConflictError, ProviderConflictWarning, ProviderHandle, enabled, install
+from .provider import ProviderConflictError, ProviderConflictWarning, ProviderHandle, ProviderUnusedWarning, enabled, install
 
 __version__ = "0.1.0"  # the one place: pyproject.toml reads it (dynamic version)
 
@@ -43,6 +43,7 @@ __all__ = [
     "ProviderConflictError",
     "ProviderConflictWarning",
     "ProviderHandle",
+    "ProviderUnusedWarning",
     "StrictModeError",
     "attention",
     "enabled",

@@ -55,12 +55,14 @@ import warnings
 import torch
 
 from . import _compat, sdpa_overrides
+from .policy import stacklevel_past_frameworks
 
 __all__ = [
     "TORCH_REGISTRY_NAME",
     "ProviderConflictError",
     "ProviderConflictWarning",
     "ProviderHandle",
+    "ProviderUnusedWarning",
     "current",
     "enabled",
     "install",
@@ -87,6 +89,10 @@ class ProviderConflictError(RuntimeError):
 
 class ProviderConflictWarning(UserWarning):
     """:func:`install` with ``replace_existing=True`` shadows another provider's kernels until :meth:`ProviderHandle.remove`."""
+
+
+class ProviderUnusedWarning(UserWarning):
+    """:func:`install` on a machine without a CUDA device: its kernels are CUDA kernels, so no call reaches them."""
 
 
 class ProviderHandle:
@@ -170,6 +176,17 @@ def install(*, replace_existing: bool = False) -> ProviderHandle:
                 _report_conflict(over_ours, over_ours=True, replace_existing=replace_existing)
                 _live._register_on_top()
             return _live
+        if not torch.cuda.is_available():
+            # Installed all the same (a CPU build registers the kernels; tests and CPU-side setup rely on it), but a run
+            # that believes it is on cuDNN would otherwise learn nothing: calls on CPU tensors never reach these kernels.
+            warnings.warn(
+                "cudnn_attention.install(): this machine has no CUDA device, and the provider's kernels are CUDA kernels: "
+                "F.scaled_dot_product_attention and varlen_attn on CPU tensors keep running torch's own kernels, uncounted "
+                "(stats()['provider'] stays 0); for the counted exact path call cudnn_attention.attention() or use "
+                "attn_implementation='cudnn'",
+                ProviderUnusedWarning,
+                stacklevel=stacklevel_past_frameworks(start=2),
+            )
         kernels = {"aten": dict(_DENSE_KERNELS), "torch_attn": _varlen_kernels()}
         torch_switch_on = _torch_switch_on()
         if torch_switch_on:
