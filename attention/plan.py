@@ -19,7 +19,7 @@ import torch
 from .call import AttentionCall, served_key
 from .cudnn_graphs import CompiledGraph, GraphRejected, frontend_unavailable_reason, graph_for, memoize, memoized
 
-__all__ = ["Plan", "backward_graph", "build_plan", "resolve", "sink_forward"]
+__all__ = ["Plan", "backward_graph", "build_plan", "device_unservable_reason", "resolve", "sink_forward"]
 
 # How the sink forward runs: "engine" (cuDNN's sink engine), "fold" (the sink-less kernel, then one fused pass
 # that folds the sinks into its output and LSE), or "auto", the default: the fold for packed calls, the engine
@@ -52,6 +52,15 @@ class Plan(NamedTuple):
     @property
     def specs(self) -> tuple:
         return (self.forward.spec,) if self.backward is None else (self.forward.spec, self.backward.spec)
+
+
+def device_unservable_reason(device) -> str | None:
+    """Why cuDNN can serve no call on ``device`` (what :func:`resolve` answers every call there: ``"cpu tensors"``, or the
+    missing frontend's reason), or None when it may serve some. For a check before any work, as strict mode needs."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return f"{device.type} tensors"
+    return frontend_unavailable_reason()
 
 
 def resolve(q, k, v, call: AttentionCall) -> tuple[Plan | None, str | None]:
