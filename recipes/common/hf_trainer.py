@@ -26,6 +26,7 @@ from .config import (
     WEIGHT_DECAY,
     RecipeOptions,
     RunOptions,
+    check_fp16,
     check_machine,
     check_strict,
     model_shape,
@@ -236,6 +237,7 @@ def run(options: RecipeOptions, run_options: RunOptions, args, *, recipe: str) -
     main_process = PartialState().is_main_process
     check_machine(size=options.size, tokens_per_step=options.tokens_per_step, device=device)
     check_strict(strict=options.strict, device=device)
+    check_fp16(fp16=args.fp16, device=device)
     _check_reporting(args.report_to)
     if args.output_dir is not None:  # a folder that cannot take the results is refused before the data is read (_run_dir again below)
         checked_output_dir(args.output_dir, overwrite=run_options.overwrite_output_dir)
