@@ -77,7 +77,7 @@ TRAINER_MISTAKES = [
     (["--output_dir", "a_file/run"], r"--output_dir a_file/run lies under .*a_file, which is a file, not a folder"),
     (["--report_to", "tensorbord"], r"--report_to tensorbord: transformers knows no integration 'tensorbord'; pass one of .*tensorboard"),
     # Item 5: a mistyped flag printed the usage of every TrainingArguments field (about 127 lines) first.
-    (["--max_stpes", "2"], r"unrecognized arguments: --max_stpes 2 \(did you mean --max_steps\? train_sliding_window.py --help lists"),
+    (["--max_stpes", "2"], r"unrecognized arguments: --max_stpes 2 \(did you mean --max_steps\? train_sliding_window.py --help-all lists"),
     (["--size", "huge"], r"argument --size: invalid choice: 'huge'"),
 ]
 
