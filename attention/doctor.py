@@ -11,7 +11,8 @@ check, never reset.
 Exit status 0 only when every check passed: without a CUDA GPU nothing of cuDNN can be checked, so that is 1 too,
 with one line saying so. The report also lists what is known to be wrong with the detected cuDNN version
 (:data:`KNOWN_ISSUES`) and what the package holds back from cuDNN on every version
-(:data:`cudnn_attention.cudnn_graphs.KNOWN_WRONG`).
+(:data:`cudnn_attention.cudnn_graphs.KNOWN_WRONG`), and notes a torch or transformers outside the tested ranges
+(:data:`cudnn_attention.environment.TESTED`).
 
 This module is framework-free; ``--model`` (one forward and backward of a transformers model against eager) lives in
 :mod:`cudnn_attention.integrations.hf.doctor_model` and reaches the report as extra checks.
@@ -389,6 +390,7 @@ def build_report(
         checks = run_self_checks(device=device)
         if extra_checks is not None:
             checks += list(extra_checks(device))
+    notes += environment.untested_versions(found)
     return Report(found, checks, known_issues(found.get("cudnn_backend")), list(KNOWN_WRONG), notes)
 
 
