@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from ...doctor import Check, one_line, path_taken, quiet_fallbacks, verdict, within_lowp_noise
 from ...policy import stats
+from . import _compat
 from .registration import ATTN_IMPLEMENTATION, register
 
 __all__ = ["load_model", "model_checks", "model_source_problem"]
@@ -74,7 +75,10 @@ def load_model(path_or_config: str, *, device, dtype=torch.bfloat16):
     register()
     path = Path(path_or_config)
     if path.is_dir() and any((path / name).exists() for name in _WEIGHT_FILES):
-        model = AutoModelForCausalLM.from_pretrained(path_or_config, dtype=dtype, attn_implementation="eager").to(device)
+        # Without hub kernels: the three runs differ in attention alone (see _compat.without_hub_kernels).
+        model = AutoModelForCausalLM.from_pretrained(
+            path_or_config, dtype=dtype, attn_implementation="eager", **_compat.without_hub_kernels()
+        ).to(device)
         return model.eval(), f"{path_or_config}, pretrained weights"
     config = AutoConfig.from_pretrained(path_or_config)
     _few_layers(config)

@@ -61,7 +61,7 @@ TRAINER_DEFAULTS = dict(
 # (max_steps) and the step count (warmup_steps, logging_steps); output_dir: a new folder per run.
 _RESOLVED_LATER = ("use_cpu", "bf16", "dataloader_pin_memory", "max_steps", "warmup_steps", "logging_steps", "output_dir")
 # TrainingArguments fields that transformers 5.24 renamed (the old names warn, FutureWarning: removed in v6): the recipe
-# hands the value to the name this transformers has, so `--gradient_checkpointing` works quietly on 5.17 and 5.24 alike.
+# hands the value to the name this transformers has, so `--gradient_checkpointing` works quietly on 5.17 to 5.25 alike.
 _RENAMED = (("gradient_checkpointing", "activation_checkpointing"), ("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs"))
 # What `pip install` takes for the --report_to integrations whose package has another name.
 _REPORTING_PACKAGES = {"azure_ml": "azureml-core", "comet_ml": "comet-ml", "flyte": "flytekit"}
