@@ -158,9 +158,8 @@ def _count_and_warn_once(counter: Counter, reason: str, warned_as: str, message:
 
 # The packages whose frames lie between a user's line and a warning about what it ran: this one, torch (module calls,
 # the dispatcher's Python kernels, compiled graphs' runtime) and the frameworks that run a model for the user
-# (``kernels``: transformers 5.25's hub-kernel layers wrap a model's forward). A
-# warning names the first line outside them: the user's ``model(ids)`` or ``trainer.train()``, not transformers'
-# attention layer.
+# (``kernels``: transformers 5.25's hub-kernel layers wrap a model's forward). A warning names the first line outside
+# them: the user's ``model(ids)`` or ``trainer.train()``, not transformers' attention layer.
 _FRAMEWORKS = frozenset(
     {
         *("cudnn_attention", "torch", "contextlib", "functools"),
