@@ -5,6 +5,8 @@ What transformers' own ``test_generate_compile_model_forward_fullgraph`` checks,
 changes between decode steps compiles the forward again. tests/gpu/test_gpu_hf.py runs the same on cuDNN.
 """
 
+import gc
+
 import pytest
 import torch
 
@@ -15,6 +17,16 @@ from support.hf_models import build, prompt_batches  # noqa: E402
 NEW_TOKENS = 5
 
 
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    # Dynamo's compile state (fake tensors, shape environments) lives in reference cycles that a later test's cyclic GC
+    # would meet: test_hf_integration.py's reference-cycle check saw them, now and then, as its own.
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+    gc.collect()
+
+
 def _generate(model, batch, **kwargs):
     return model.generate(**batch, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0, cache_implementation="static", **kwargs)
 
@@ -23,7 +35,6 @@ def _generate(model, batch, **kwargs):
 def test_compiled_generate_with_a_static_cache_compiles_once(padding):
     from transformers import CompileConfig
 
-    torch._dynamo.reset()
     batches = prompt_batches(2, rows=2, length=7, padding=padding, seed=11)
     model = build("llama", "eager")
     expected = [_generate(model, batch) for batch in batches]
