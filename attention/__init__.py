@@ -36,7 +36,7 @@ from .policy import (
     stats,
     strict,
 )
-from .provider import ProviderConflictError, ProviderConflictWarning, ProviderHandle, enabled, install
+from .provider import ProviderConflictError, ProviderConflictWarning, ProviderHandle, ProviderUnusedWarning, enabled, install
 from .version import __version__ as __version__  # the package face's version (attention/version.py)
 
 __all__ = [
@@ -46,6 +46,7 @@ __all__ = [
     "ProviderConflictError",
     "ProviderConflictWarning",
     "ProviderHandle",
+    "ProviderUnusedWarning",
     "StrictModeError",
     "attention",
     "context_parallel",

@@ -10,8 +10,8 @@ check, never reset.
 
 Exit status 0 only when every check passed: without a CUDA GPU nothing of cuDNN can be checked, so that is 1 too,
 with one line saying so. The report also lists what is known to be wrong with the detected cuDNN version and what this
-package does about each (:mod:`cudnn_attention.errata`), and which of those a newer cuDNN fixes, with the command
-that installs it.
+package does about each (:mod:`cudnn_attention.errata`), which of those a newer cuDNN fixes (with the command that
+installs it), and notes a torch or transformers outside the tested ranges (:data:`cudnn_attention.environment.TESTED`).
 
 This module is framework-free; ``--model`` (one forward and backward of a transformers model against eager) lives in
 :mod:`cudnn_attention.integrations.hf.doctor_model` and reaches the report as extra checks.
@@ -341,28 +341,39 @@ def _versions() -> dict:
 
 
 def build_report(
-    *, device: str | torch.device | None = None, extra_checks: Callable[[torch.device], Iterable[Check]] | None = None
+    *,
+    device: str | torch.device | None = None,
+    extra_checks: Callable[[torch.device], Iterable[Check]] | None = None,
+    extra_checks_name: str = "the extra checks",
 ) -> Report:
     """The versions, the self-checks on ``device`` (None: the current CUDA GPU; without one no check runs and the
-    report says so), then ``extra_checks(device)`` (the ``--model`` checks), and the known issues."""
+    report says so), then ``extra_checks(device)`` (the ``--model`` checks; ``extra_checks_name`` names them in the
+    note that says they did not run), and the known issues."""
     found = _versions()
     notes, checks = [], []
     if device is None and not torch.cuda.is_available():
         notes.append(NO_GPU)
+        if extra_checks is not None:
+            notes.append(f"{extra_checks_name}: not checked ({NO_GPU})")
     else:
         device = torch.device("cuda") if device is None else torch.device(device)
         checks = run_self_checks(device=device)
         if extra_checks is not None:
             checks += list(extra_checks(device))
+    notes += environment.untested_versions(found)
     cudnn = found.get("cudnn_backend")
     return Report(found, checks, known_issues(cudnn), newer_cudnn_advice(cudnn, found.get("cuda")), notes)
 
 
 def main(
-    *, as_json: bool = False, extra_checks: Callable[[torch.device], Iterable[Check]] | None = None, stream: TextIO | None = None
+    *,
+    as_json: bool = False,
+    extra_checks: Callable[[torch.device], Iterable[Check]] | None = None,
+    extra_checks_name: str = "the extra checks",
+    stream: TextIO | None = None,
 ) -> int:
     """Print the report (text, or JSON with ``as_json``) to ``stream`` (default stdout); returns the exit status."""
-    report = build_report(extra_checks=extra_checks)
+    report = build_report(extra_checks=extra_checks, extra_checks_name=extra_checks_name)
     text = json.dumps(report.as_dict(), indent=2, default=str) if as_json else report.format()
     print(text, file=stream or sys.stdout)
     return report.exit_status

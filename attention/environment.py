@@ -13,12 +13,18 @@ from __future__ import annotations
 
 import importlib.metadata
 import platform
+import re
 
 import torch
 
 from .version import __version__
 
-__all__ = ["versions"]
+__all__ = ["TESTED", "untested_versions", "versions"]
+
+# The releases the suite runs on (.ci/run: the newest and the floor of each) and the README's "Supported" line names, as
+# (first, last) minor versions, inclusive: the one place they are written. A release outside them may work; nothing
+# has checked it, and `cudnn-attention doctor` says so.
+TESTED = {"torch": ("2.9", "2.15"), "transformers": ("5.17", "5.25")}
 
 
 def _distribution_version(*names: str) -> str | None:
@@ -73,3 +79,26 @@ def versions() -> dict:
         "gpu": torch.cuda.get_device_name() if cuda else "cpu",
         "gpu_count": torch.cuda.device_count() if cuda else 0,
     }
+
+
+def _minor(version: str) -> tuple[int, int] | None:
+    """``(major, minor)`` of a version string (``"2.16.0a0+git1234"`` -> ``(2, 16)``), None when it has none."""
+    found = re.match(r"(\d+)\.(\d+)", version)
+    return (int(found[1]), int(found[2])) if found else None
+
+
+def untested_versions(found: dict | None = None) -> list[str]:
+    """One line for each distribution of :data:`TESTED` whose installed version (in ``found``, default :func:`versions`)
+    lies outside its tested range; none installed is nothing to say."""
+    found = versions() if found is None else found
+    lines = []
+    for name, (low, high) in TESTED.items():
+        version = found.get(name)
+        minor = None if version is None else _minor(version)
+        if minor is None or _minor(low) <= minor <= _minor(high):
+            continue
+        lines.append(
+            f"{name} {version} is outside the versions this package is tested with ({low} to {high}): it may work, but nothing "
+            f"has checked it; a release within them is the one to compare against"
+        )
+    return lines

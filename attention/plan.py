@@ -23,7 +23,7 @@ from .cudnn_graphs import graph_for, memoize, memoized
 from .frontend import frontend_unavailable_reason
 from .graph_build import CompiledGraph, GraphRejected
 
-__all__ = ["Plan", "backward_graph", "build_plan", "resolve", "sink_forward"]
+__all__ = ["Plan", "backward_graph", "build_plan", "device_unservable_reason", "resolve", "sink_forward"]
 
 # How the sink forward runs: "engine" (cuDNN's sink engine), "fold" (the sink-less kernel, then one fused pass
 # that folds the sinks into its output and LSE), or "auto", the default: the fold for packed calls, the engine
@@ -56,6 +56,15 @@ class Plan(NamedTuple):
     @property
     def specs(self) -> tuple:
         return (self.forward.spec,) if self.backward is None else (self.forward.spec, self.backward.spec)
+
+
+def device_unservable_reason(device) -> str | None:
+    """Why cuDNN can serve no call on ``device`` (what :func:`resolve` answers every call there: ``"cpu tensors"``, or the
+    missing frontend's reason), or None when it may serve some. For a check before any work, as strict mode needs."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return f"{device.type} tensors"
+    return frontend_unavailable_reason()
 
 
 def resolve(q, k, v, call: AttentionCall) -> tuple[Plan | None, str | None]:

@@ -44,6 +44,7 @@ __all__ = [
     "note_graph_build",
     "reset_stats",
     "set_strict",
+    "stacklevel_past_frameworks",
     "stats",
     "strict",
 ]
@@ -144,14 +145,51 @@ def count_provider(path: str, reason: str | None = None) -> None:
 
 
 def _count_and_warn_once(counter: Counter, reason: str, warned_as: str, message: str, *, stacklevel: int) -> None:
-    """Count ``reason`` in ``counter``; warn with ``message`` the first time ``warned_as`` comes up (``stacklevel`` as seen from the
-    caller)."""
+    """Count ``reason`` in ``counter``; warn with ``message`` the first time ``warned_as`` comes up, naming the first line
+    at or above ``stacklevel`` (as seen from the caller) that is outside this package, torch and the frameworks that
+    run models (:func:`stacklevel_past_frameworks`)."""
     with _lock:
         counter[reason] += 1
         first = warned_as not in _warned
         _warned.add(warned_as)
     if first:
-        warnings.warn(message, CudnnAttentionFallbackWarning, stacklevel=stacklevel + 1)
+        warnings.warn(message, CudnnAttentionFallbackWarning, stacklevel=stacklevel_past_frameworks(start=stacklevel + 1))
+
+
+# The packages whose frames lie between a user's line and a warning about what it ran: this one, torch (module calls,
+# the dispatcher's Python kernels, compiled graphs' runtime) and the frameworks that run a model for the user
+# (``kernels``: transformers 5.25's hub-kernel layers wrap a model's forward). A warning names the first line outside
+# them: the user's ``model(ids)`` or ``trainer.train()``, not transformers' attention layer.
+_FRAMEWORKS = frozenset(
+    {
+        *("cudnn_attention", "torch", "contextlib", "functools"),
+        *("transformers", "kernels", "accelerate", "peft", "trl", "lightning", "pytorch_lightning", "lightning_fabric"),
+    }
+)
+
+
+def stacklevel_past_frameworks(*, start: int = 1) -> int:
+    """The ``stacklevel`` for a ``warnings.warn`` made by this function's caller that names the first frame, ``start``
+    levels up or higher, whose module is outside :data:`_FRAMEWORKS` (``start`` itself when every frame is theirs)."""
+    level, frame = 1, inspect.currentframe().f_back
+    while frame is not None and level < start:
+        level, frame = level + 1, frame.f_back
+    first = level
+    while frame is not None and _in_frameworks(frame):
+        level, frame = level + 1, frame.f_back
+    return level if frame is not None else first
+
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+
+
+def _in_frameworks(frame) -> bool:
+    if frame.f_globals.get("__name__", "").partition(".")[0] in _FRAMEWORKS:
+        return True
+    # A compiled graph's code runs under other module names: FX's generated forward ("<eval_with_key>.N"), and
+    # inductor's wrappers, named by the torch file that generated them.
+    filename = frame.f_code.co_filename
+    return filename.startswith("<eval_with_key>") or filename.startswith(_TORCH_DIR)
 
 
 def note_copy(name: str, message: str) -> None:
@@ -222,11 +260,14 @@ def env_flag(name: str) -> bool:
 def set_strict(enabled: bool | None) -> bool | None:
     """Set strict mode process-wide; ``None`` defers to ``CUDNN_ATTENTION_STRICT`` again.
 
-    Returns the previous process-wide setting, so a caller can put it back.
+    Returns the previous process-wide setting, so a caller can put it back. Anything but ``True``, ``False`` or
+    ``None`` raises ``TypeError`` naming it (``"false"`` would otherwise read as true).
     """
     global _strict_global
+    if enabled is not None and not isinstance(enabled, bool):
+        raise TypeError(f"set_strict() takes True, False or None, got {enabled!r}")
     previous = _strict_global
-    _strict_global = None if enabled is None else bool(enabled)
+    _strict_global = enabled
     return previous
 
 
@@ -239,7 +280,9 @@ def strict(enabled: bool = True):
         >>> with cudnn_attention.strict():
         ...     out = cudnn_attention.attention(q, k, v, causal=True)  # raises if cuDNN cannot serve it
     """
-    token = _strict_scope.set(bool(enabled))
+    if not isinstance(enabled, bool):
+        raise TypeError(f"strict() takes True or False, got {enabled!r}")
+    token = _strict_scope.set(enabled)
     try:
         yield
     finally:
@@ -295,7 +338,8 @@ def fallback_outputs(out: torch.Tensor, lse: torch.Tensor | None, reason: str, *
 
 def note_fallback(direction: str, reason: str, *, caller_depth: int = 1) -> None:
     """Record one call served by the fallback; raise in strict mode, warn the first time per reason
-    (pointing ``caller_depth`` frames above the caller: at the user's line)."""
+    (naming the first line, ``caller_depth`` frames above the caller or higher, outside this package, torch
+    and the frameworks that run models: the user's line)."""
     if direction == "forward" and is_strict():
         raise StrictModeError(f"cudnn_attention strict mode: cuDNN cannot serve this call ({reason})")
     message = f"cudnn_attention: running the exact PyTorch path, not cuDNN: {reason}"
@@ -318,7 +362,7 @@ def _noted_fallback(out: torch.Tensor, direction: str, reason: str) -> torch.Ten
     # Runs when the compiled graph runs, once per call. A copy, not ``out`` itself: an op may not return
     # an alias of its input, and an op whose result nobody uses would be dropped from the graph. One
     # pass over the output, beside a fallback that computes every query-key score.
-    note_fallback(direction, reason, caller_depth=0)  # the warning points here: the traced caller has no frame left
+    note_fallback(direction, reason, caller_depth=0)  # the warning names the line that called the compiled code
     return out.clone()
 
 
@@ -350,7 +394,7 @@ def fallback_in_graph(out: torch.Tensor, reason: str) -> torch.Tensor:
     reason; its backward counts the backward. Traceable with ``fullgraph=True``: Dynamo sees one op.
 
     Unlike eager, a refused compiled call has computed its output before the op raises (the graph
-    orders the op after the math it gates); nothing is returned either way. The warning cannot point
-    at the caller's line: a compiled graph keeps no Python frames of the traced code. A CUDA graph
+    orders the op after the math it gates); nothing is returned either way. The warning names the
+    line that called the compiled code (the graph's own frames are torch's). A CUDA graph
     captured by hand around a compiled call replays no Python at all (see :func:`stats`)."""
     return torch.ops.cudnn_attention.noted_fallback(out, "forward", reason)

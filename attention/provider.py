@@ -34,6 +34,12 @@ registered over torch's at the ``CUDA`` key by someone else and raises
 one after :func:`install` shows in :meth:`ProviderHandle.shadowed_by`, and the next
 :func:`install` or :func:`enabled` says so the same way.
 
+torch's own switch to the frontend's kernels (``torch.backends.cuda.enable_cudnn_sdp_python``,
+``TORCH_CUDNN_SDPA_USE_PYTHON=1``; on torch's main branch after 2.15) is found by attribute, so any
+torch works: while it is on, :func:`install` raises :class:`ProviderConflictError` saying what each
+would serve, or with ``replace_existing=True`` turns the switch off (its kernels go, rather than
+lie under ours) and ``remove()`` turns it back on. Either way one of the two owns each kernel.
+
 Installing is explicit; importing this module changes nothing. Where torch has
 ``torch.nn.attention.register_flash_attention_impl``, :func:`register_with_torch` offers the same
 switch as ``torch.nn.attention.activate_flash_attention_impl("CUDNN_ATTENTION_PROJECT")``.
@@ -49,12 +55,14 @@ import warnings
 import torch
 
 from . import _compat, sdpa_overrides
+from .policy import stacklevel_past_frameworks
 
 __all__ = [
     "TORCH_REGISTRY_NAME",
     "ProviderConflictError",
     "ProviderConflictWarning",
     "ProviderHandle",
+    "ProviderUnusedWarning",
     "current",
     "enabled",
     "install",
@@ -83,13 +91,18 @@ class ProviderConflictWarning(UserWarning):
     """:func:`install` with ``replace_existing=True`` shadows another provider's kernels until :meth:`ProviderHandle.remove`."""
 
 
+class ProviderUnusedWarning(UserWarning):
+    """:func:`install` on a machine without a CUDA device: its kernels are CUDA kernels, so no call reaches them."""
+
+
 class ProviderHandle:
     """One installation of the overrides; :meth:`remove` undoes all of it (idempotent)."""
 
-    def __init__(self, kernels: dict[str, dict], libraries: list, sdp_state: tuple[bool, list | None]):
+    def __init__(self, kernels: dict[str, dict], libraries: list, sdp_state: tuple[bool, list | None], *, torch_switch_was_on=False):
         self._kernels = kernels  # namespace -> {op name: kernel}, to register again on top
         self._libraries = libraries
         self._sdp_state = sdp_state
+        self._torch_switch_was_on = torch_switch_was_on  # install() turned torch's switch off; remove() turns it on
 
     @property
     def active(self) -> bool:
@@ -121,6 +134,9 @@ class ProviderHandle:
             _restore_sdp_state(self._sdp_state)
             if _live is self:
                 _live = None
+            if self._torch_switch_was_on:
+                self._torch_switch_was_on = False
+                _set_torch_switch(True)
         _forget_in_torch_registry()
 
     def _register_on_top(self) -> None:
@@ -149,7 +165,8 @@ def install(*, replace_existing: bool = False) -> ProviderHandle:
             :class:`ProviderConflictError` naming it, and change nothing. ``True``: register over
             it with a :class:`ProviderConflictWarning` naming it; ``remove()`` brings it back.
             Also applies when one was registered over a live installation: ``True`` puts this
-            provider back on top.
+            provider back on top. torch's ``enable_cudnn_sdp_python`` switch, when on, is turned
+            off instead of shadowed (and back on by ``remove()``).
     """
     global _live
     with _lock:
@@ -159,13 +176,30 @@ def install(*, replace_existing: bool = False) -> ProviderHandle:
                 _report_conflict(over_ours, over_ours=True, replace_existing=replace_existing)
                 _live._register_on_top()
             return _live
+        if not torch.cuda.is_available():
+            # Installed all the same (a CPU build registers the kernels; tests and CPU-side setup rely on it), but a run
+            # that believes it is on cuDNN would otherwise learn nothing: calls on CPU tensors never reach these kernels.
+            warnings.warn(
+                "cudnn_attention.install(): this machine has no CUDA device, and the provider's kernels are CUDA kernels: "
+                "F.scaled_dot_product_attention and varlen_attn on CPU tensors keep running torch's own kernels, uncounted "
+                "(stats()['provider'] stays 0); for the counted exact path call cudnn_attention.attention() or use "
+                "attn_implementation='cudnn'",
+                ProviderUnusedWarning,
+                stacklevel=stacklevel_past_frameworks(start=2),
+            )
         kernels = {"aten": dict(_DENSE_KERNELS), "torch_attn": _varlen_kernels()}
+        torch_switch_on = _torch_switch_on()
+        if torch_switch_on:
+            # Before the registrations are read: the switch is what to turn off (turned off, its kernels go; shadowed,
+            # torch would still report it on while ours serve).
+            _report_torch_switch(replace_existing=replace_existing)
+            _set_torch_switch(False)
         existing = _other_overrides(_qualified_names(kernels))
         if existing:
             _report_conflict(existing, over_ours=False, replace_existing=replace_existing)
         sdpa_overrides.lse_has_trailing_one = _aten_lse_has_trailing_one()
         libraries = _register_all(kernels)
-        _live = ProviderHandle(kernels, libraries, _prefer_cudnn_sdp())
+        _live = ProviderHandle(kernels, libraries, _prefer_cudnn_sdp(), torch_switch_was_on=torch_switch_on)
         return _live
 
 
@@ -276,9 +310,53 @@ def _registered_by(where: str) -> str:
 
 
 def _describe(path: str) -> str:
+    if _torch_switch_on():
+        return f"the kernels of torch's switch {_TORCH_SWITCH}, which is on (registered at {path})"
     if "cudnn/torch/" in path.replace(os.sep, "/"):
         return f"nvidia-cudnn-frontend's provider (cudnn.torch, {path})"
     return f"kernels registered at {path}"
+
+
+# ----------------------------------------------------------------------------------------------
+# torch's own switch to the frontend's kernels
+# ----------------------------------------------------------------------------------------------
+
+_TORCH_SWITCH = "torch.backends.cuda.enable_cudnn_sdp_python"
+# What each of the two serves: the same five kernels, by different code.
+_THEIRS_SERVE = (
+    "nvidia-cudnn-frontend's kernels serve F.scaled_dot_product_attention on torch's cuDNN backend and varlen_attn, "
+    "handing what they decline to torch's C++ kernels"
+)
+_OURS_SERVE = (
+    "cudnn_attention's would serve the same calls on its own kernels, hand the same to torch's and count each in stats()['provider']"
+)
+
+
+def _torch_switch_on() -> bool:
+    """Whether torch's ``enable_cudnn_sdp_python`` switch is on; False on a torch without it (found by attribute: the
+    switch is on torch's main branch, after 2.15)."""
+    enabled = getattr(torch.backends.cuda, "cudnn_sdp_python_enabled", None)
+    return bool(enabled()) if enabled is not None else False
+
+
+def _set_torch_switch(enabled: bool) -> None:
+    # Reached only where _torch_switch_on() found the switch, an attribute of torch's main branch only.
+    getattr(torch.backends.cuda, "enable_cudnn_sdp_python")(enabled)
+
+
+def _report_torch_switch(*, replace_existing: bool) -> None:
+    """Raise :class:`ProviderConflictError` saying what torch's switch and this provider would each serve, or warn that
+    the switch is turned off (``replace_existing``)."""
+    how = f"{_TORCH_SWITCH}(True) or TORCH_CUDNN_SDPA_USE_PYTHON=1"
+    situation = f"torch's cuDNN Python switch is on ({how}): {_THEIRS_SERVE}; {_OURS_SERVE}."
+    if replace_existing:
+        message = f"{situation} The switch is turned off until remove(); cudnn_attention's kernels serve meanwhile."
+        warnings.warn(message, ProviderConflictWarning, stacklevel=3)
+        return
+    raise ProviderConflictError(
+        f"{situation} Only one can own them: turn torch's switch off ({_TORCH_SWITCH}(False), or unset "
+        "TORCH_CUDNN_SDPA_USE_PYTHON), or call cudnn_attention.install(replace_existing=True), which turns it off until remove()."
+    )
 
 
 def _report_conflict(found: dict[str, str], *, over_ours: bool, replace_existing: bool) -> None:

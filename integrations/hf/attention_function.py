@@ -5,7 +5,7 @@ Contract (transformers 5.x): ``fn(module, query, key, value, attention_mask, dro
 (B, S, H, D) and K/V heads not repeated. An ordered ladder, like FlashAttention's:
 
 1. what cuDNN cannot express -> the model's exact eager path, counted and warned (strict: raises);
-2. a 2-D keep-mask (B, W written keys, see mask_function) -> each row's kept tokens gathered to the
+2. a 2-D keep-mask (B, W written keys) or a static cache's slot map (see mask_function) -> each row's kept tokens gathered to the
    front in order (any 0/1 pattern: left, right, trailing-everywhere, gaps), the padded cuDNN path
    (padding is never computed), and gathered back. Causality stays exact under this compaction
    (order is kept); a sliding window counted in compact positions equals transformers' (absolute
@@ -246,8 +246,13 @@ def _last_query(query_BH1D, key, value, keep_BK, written, reach, *, scale, sinks
     value of the cache: generate reads that row when a right-padded prompt ends with more padding
     than the window (documented in the README as the one difference from eager)."""
     if reach is not None:
-        first = torch.sym_max(written - reach, 0)
-        keep_BK, key, value = keep_BK[:, first:written], key[:, :, first:written], value[:, :, first:written]
+        if isinstance(written, torch.Tensor):
+            # A static cache's slot map: a slice bounded by a tensor would give a shape that changes every step, so
+            # the window masks the whole cache instead (its unwritten slots are not kept already).
+            keep_BK = keep_BK & (torch.arange(keep_BK.shape[-1], device=keep_BK.device) >= written - reach)
+        else:
+            first = torch.sym_max(written - reach, 0)
+            keep_BK, key, value = keep_BK[:, first:written], key[:, :, first:written], value[:, :, first:written]
         compact_kv = None
     if compact_kv is None:
         order_kv_BK, len_kv_B = _compaction(keep_BK)
@@ -268,7 +273,7 @@ def _may_have_gap(mask_BW) -> bool:
     cached = tensor_memo.recall(mask_BW, "has a gap")
     if cached is not None:
         return cached
-    keep_BW = mask_BW.bool()
+    keep_BW, _ = pad_keys(mask_BW, mask_BW.shape[-1])  # a slot map's unwritten slots are not kept: no gap
     count_B = keep_BW.sum(dim=-1)
     first_B = keep_BW.to(torch.int8).argmax(dim=-1)
     last_B = keep_BW.shape[-1] - 1 - keep_BW.flip(-1).to(torch.int8).argmax(dim=-1)

@@ -19,6 +19,7 @@ widen the bound accordingly.
 from __future__ import annotations
 
 import itertools
+import re
 from pathlib import Path
 from typing import NamedTuple
 
@@ -28,13 +29,30 @@ import torch.nn.functional as F
 from ...doctor import Check, one_line, path_taken, quiet_fallbacks, verdict
 from ...policy import stats
 from ...tolerance import within_lowp_noise
+from . import _compat
 from .registration import ATTN_IMPLEMENTATION, register
 
-__all__ = ["load_model", "model_checks"]
+__all__ = ["load_model", "model_checks", "model_source_problem"]
 
 _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 _ROWS, _TOKENS = 2, 256
 _DOCUMENTS = (100, 37, 119)
+
+
+# What the Hub takes for a repository id (huggingface_hub's validate_repo_id): "name" or "namespace/name".
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
+
+
+def model_source_problem(path_or_config: str) -> str | None:
+    """Why ``--model path_or_config`` can name no model, before anything loads (None: it may): a path that does not
+    exist and cannot be a hub id either, such as ``/no/such/model``. A hub-id-shaped name is left to the loader: whether
+    the Hub has it is not known offline."""
+    if Path(path_or_config).exists() or (_HUB_ID.fullmatch(path_or_config) and ".." not in path_or_config):
+        return None
+    return (
+        f"--model {path_or_config}: no such file or directory, and not a hub id (namespace/name): pass a checkpoint "
+        "directory, a config.json or a hub id"
+    )
 
 
 def _few_layers(config) -> None:
@@ -58,7 +76,10 @@ def load_model(path_or_config: str, *, device, dtype=torch.bfloat16):
     register()
     path = Path(path_or_config)
     if path.is_dir() and any((path / name).exists() for name in _WEIGHT_FILES):
-        model = AutoModelForCausalLM.from_pretrained(path_or_config, dtype=dtype, attn_implementation="eager").to(device)
+        # Without hub kernels: the three runs differ in attention alone (see _compat.without_hub_kernels).
+        model = AutoModelForCausalLM.from_pretrained(
+            path_or_config, dtype=dtype, attn_implementation="eager", **_compat.without_hub_kernels()
+        ).to(device)
         return model.eval(), f"{path_or_config}, pretrained weights"
     config = AutoConfig.from_pretrained(path_or_config)
     _few_layers(config)

@@ -75,10 +75,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.action == "doctor":
         from ... import doctor
-        from .doctor_model import model_checks
+        from .doctor_model import model_checks, model_source_problem
 
-        extra = None if args.model is None else (lambda device: model_checks(args.model, device=device))
-        return doctor.main(as_json=args.json, extra_checks=extra)
+        if args.model is None:
+            return doctor.main(as_json=args.json)
+        problem = model_source_problem(args.model)
+        if problem is not None:  # before any work, as one line (argparse's own errors add a usage block)
+            print(f"cudnn-attention doctor: error: {problem}", file=sys.stderr)
+            return 2
+
+        def extra(device):
+            return model_checks(args.model, device=device)
+
+        return doctor.main(as_json=args.json, extra_checks=extra, extra_checks_name=f"--model {args.model}")
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         parser.error("run needs a command after --, e.g. cudnn-attention run -- trl sft --attn_implementation cudnn ...")

@@ -7,15 +7,20 @@ silently dropping padding). This one returns, like FlashAttention's:
 - ``None`` when every key is written and none is padding (the attention function applies
   causality and windows; queries are the last ``q_len`` keys);
 - a 2-D bool keep-mask (B, W) whose width W is the number of *written* keys: keys past W are
-  slots of a static cache nobody wrote yet, and the queries are keys ``W - q_len .. W - 1``.
+  slots of a cache nobody wrote yet, and the queries are keys ``W - q_len .. W - 1``.
   Zeros inside the mask are padding, wherever they are (left, right, or a gap), never unwritten
   slots: the width alone says where the queries sit, so a batch whose every row ends with padding
   (``pad_to_multiple_of``, ``padding="max_length"``) is not mistaken for a static cache.
   transformers' FlashAttention path uses the same convention (``_upad_input`` slices K/V to the
   mask's width);
+- for a static cache's full-attention layers (transformers hands their written length over as a
+  tensor, ``q_offset``), a slot map: an int8 (B, K) tensor over every slot of the cache, 1 for a key to
+  attend, 0 for padding, -1 for a slot not written yet (:data:`UNWRITTEN`). Its shape is the cache's, the same
+  at every decode step, so a forward compiled with ``dynamic=False`` sees the same input each step and replays
+  one graph (a mask as wide as the written keys grew by a column per step and recompiled it every time), and
+  reading it needs no host read of the written length. A 2-D mask of any other dtype is a keep-mask;
 - a 4-D bool mask from transformers' own ``sdpa_mask`` when a model adds its own mask functions
-  (``or``/``and`` overlays), or when a static cache's written length is only known as a tensor
-  inside a traced graph: cuDNN cannot express those, and the attention function then runs the
+  (``or``/``and`` overlays): cuDNN cannot express those, and the attention function then runs the
   exact eager-equivalent path on that mask.
 
 A 2-D mask that cannot be the input's (a row count other than the batch's, or, in a causal layer, fewer columns
@@ -23,14 +28,13 @@ than the keys seen so far) raises a ValueError naming both sizes before anything
 ``_check_covers_seen_keys`` for what a narrower mask legitimately is.
 
 The function is traceable (``torch.compile(fullgraph=True)``): no data-dependent Python branch runs
-while tracing. Outside tracing it reads two things on the host, once per forward, as transformers'
-sdpa and flash mask builders do: whether a padding mask is all ones (then ``None``), and a static
-cache's written length when generate dropped an all-ones mask (transformers >= 5.23 does).
+while tracing. Outside tracing it reads one thing on the host, once per forward, as transformers'
+sdpa and flash mask builders do: whether a padding mask is all ones (then ``None``).
 
 Under ``generate`` with a static cache, transformers calls this function twice per step: once in
 ``prepare_inputs_for_generation`` (outside a compiled forward) and again inside the forward with
-the first result as ``attention_mask``. The width convention survives that round trip (a 2-D mask
-is cast to bool on the way in, so a richer encoding in its values would not).
+the first result as ``attention_mask``, cast to bool on the way in. The slot map does not survive that cast
+(-1 becomes True), and need not: the second call rebuilds it from the same written length.
 """
 
 from __future__ import annotations
@@ -39,7 +43,11 @@ import torch
 
 from ... import _compat
 
-__all__ = ["check_padding_mask", "cudnn_attention_mask", "is_tracing", "pad_keys", "query_positions"]
+__all__ = ["UNWRITTEN", "check_padding_mask", "cudnn_attention_mask", "is_tracing", "pad_keys", "query_positions", "static_cache_slots"]
+
+# A slot map's value for a static cache slot not written yet (see the module docstring); its dtype marks the map.
+UNWRITTEN = -1
+_SLOT_MAP_DTYPE = torch.int8
 
 
 def cudnn_attention_mask(
@@ -61,22 +69,33 @@ def cudnn_attention_mask(
     if kwargs.get("use_vmap"):
         # Custom overlays (e.g. bidirectional image tokens) only transformers can evaluate.
         return _sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask, use_vmap=True, **kwargs)
+    written = q_offset + q_length - kv_offset  # keys past this are cache slots nobody wrote yet
+    if isinstance(written, torch.Tensor):
+        # A static cache's full-attention layer keeps its length in a tensor (so compiled graphs do not depend on it).
+        return static_cache_slots(attention_mask, batch_size=batch_size, kv_length=kv_length, written=written)
     if attention_mask is not None:
-        # Its width is the keys seen so far (transformers' contract: past + q_length), which with a
-        # static cache is fewer than kv_length. Sliding layers keep only their last kv_length keys.
+        # Its width is the keys seen so far (transformers' contract: past + q_length). Sliding layers keep only their
+        # last kv_length keys.
         keep_BW = attention_mask[:, -kv_length:].bool()
         if not is_tracing() and keep_BW.shape[-1] == kv_length and bool(keep_BW.all()):
             return None  # nothing to mask: the faster dense path (one host read per forward, like sdpa/flash)
         return keep_BW
-    written = q_offset + q_length - kv_offset  # keys past this are cache slots nobody wrote yet
-    if isinstance(written, torch.Tensor):
-        # A static cache keeps its length in a tensor (so compiled graphs do not depend on it).
-        if is_tracing():
-            return _sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, None, use_vmap=False, **kwargs)
-        written = int(written)  # outside a graph: generate's mask preparation, once per step
     if written >= kv_length:
         return None
     return torch.ones(batch_size, written, dtype=torch.bool, device=kwargs.get("device"))
+
+
+def static_cache_slots(attention_mask: torch.Tensor | None, *, batch_size: int, kv_length: int, written: torch.Tensor) -> torch.Tensor:
+    """The slot map (B, ``kv_length``) int8 of a static cache holding ``written`` keys (a tensor): each written slot
+    1 where ``attention_mask`` (a 2-D keep-mask of the written keys, or None: no padding) keeps it, else 0; every
+    later slot :data:`UNWRITTEN`. Columns of a mask narrower than ``written`` are not attended."""
+    slot_K = torch.arange(kv_length, device=written.device)
+    if attention_mask is None:
+        keep_BK = torch.ones(batch_size, kv_length, dtype=torch.bool, device=written.device)
+    else:
+        keep_BW = attention_mask[:, -kv_length:].bool()
+        keep_BK = torch.nn.functional.pad(keep_BW, (0, kv_length - keep_BW.shape[-1]))
+    return torch.where(slot_K < written, keep_BK.to(_SLOT_MAP_DTYPE), UNWRITTEN)
 
 
 def check_padding_mask(attention_mask: torch.Tensor, batch_size: int) -> None:
@@ -128,16 +147,20 @@ def is_tracing() -> bool:
     return torch.compiler.is_compiling() or torch.jit.is_tracing() or _compat.fx_symbolic_tracing()
 
 
-def pad_keys(keep_BW: torch.Tensor, kv_len: int) -> tuple[torch.Tensor, int]:
-    """``(keep_BK, written)``: the keep-mask (B, W written keys) widened to ``kv_len`` keys, a static
-    cache's unwritten slots not kept, and W. A mask wider than the keys keeps its last ``kv_len``
-    columns, as transformers slices it for sliding layers."""
-    keep_BW = keep_BW[:, -kv_len:].bool()
+def pad_keys(mask_BW: torch.Tensor, kv_len: int) -> tuple[torch.Tensor, int | torch.Tensor]:
+    """``(keep_BK, written)``: the keys to attend (B, ``kv_len``) bool, and how many of the cache's slots are written
+    (the queries are the last of them). From a keep-mask (B, W written keys): widened to ``kv_len`` keys, a static
+    cache's unwritten slots not kept, and W (a mask wider than the keys keeps its last ``kv_len`` columns, as
+    transformers slices it for sliding layers). From a slot map: the slots it marks 1, and the written count as a
+    0-d tensor, which nothing reads on the host."""
+    if mask_BW.dtype == _SLOT_MAP_DTYPE and mask_BW.shape[-1] == kv_len:
+        return mask_BW > 0, (mask_BW[:1] != UNWRITTEN).sum()  # every row of a slot map has the same written slots
+    keep_BW = mask_BW[:, -kv_len:].bool()
     written = keep_BW.shape[-1]
     return torch.nn.functional.pad(keep_BW, (0, kv_len - written), value=False), written
 
 
 def query_positions(written, q_len: int, device) -> torch.Tensor:
-    """Key positions (q_len,) of the queries: the last ``q_len`` of the ``written`` keys (a KV cache,
-    static or not, appends the queries' own keys before attention runs)."""
+    """Key positions (q_len,) of the queries: the last ``q_len`` of the ``written`` keys (an int, or a 0-d tensor from
+    a slot map; a KV cache, static or not, appends the queries' own keys before attention runs)."""
     return torch.arange(q_len, device=device) + (written - q_len)

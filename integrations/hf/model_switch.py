@@ -8,7 +8,10 @@ callback): :func:`switch_to_cudnn` moves every ``transformers.PreTrainedModel`` 
 from __future__ import annotations
 
 import sys
+import warnings
 import weakref
+
+import torch
 
 from . import _compat
 from .registration import ATTN_IMPLEMENTATION, register
@@ -48,8 +51,10 @@ class ModelSwitch:
         """Move every Hugging Face model in ``module`` (itself included) to ``"cudnn"``; returns how many this switch holds.
 
         Registers ``"cudnn"`` with transformers first. Imports nothing when transformers is not imported (then
-        no Hugging Face model can exist), so Lightning users without transformers pay nothing.
+        no Hugging Face model can exist), so Lightning users without transformers pay nothing. ``module`` must be a
+        ``torch.nn.Module``: anything else (a ``Trainer``, a model's name) raises ``TypeError`` naming it.
         """
+        _check_is_module(module)
         if "transformers" not in sys.modules:
             return len(self._models)
         from transformers import PreTrainedModel
@@ -93,8 +98,39 @@ def switch_to_cudnn(module) -> ModelSwitch:
         >>> # each model runs what it ran before again ("sdpa", "eager", ...)
     """
     switch = ModelSwitch()
-    switch.apply(module)
+    if not switch.apply(module) and not _holds_hf_model(module):
+        # A model another switch holds is no mistake; a module with none inside switches nothing, which would pass
+        # unnoticed until the run turns out not to have used cuDNN.
+        warnings.warn(
+            f"switch_to_cudnn(): no Hugging Face model (transformers.PreTrainedModel) inside the {type(module).__name__} given, so "
+            "nothing was switched: pass the module that holds the transformers model, or, for a model that calls "
+            "F.scaled_dot_product_attention itself, use cudnn_attention.install()",
+            UserWarning,
+            stacklevel=2,
+        )
     return switch
+
+
+def _check_is_module(module) -> None:
+    if isinstance(module, torch.nn.Module):
+        return
+    kind = type(module)
+    name = kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+    inner = getattr(module, "model", None)
+    if isinstance(inner, torch.nn.Module):  # a transformers Trainer, an accelerate or Lightning object holding one
+        owner = "trainer" if kind.__name__.endswith("Trainer") else "obj"
+        hint = f"pass its model, switch_to_cudnn({owner}.model)"
+    else:
+        hint = "pass the model (a transformers PreTrainedModel, or any module holding one)"
+    raise TypeError(f"switch_to_cudnn() takes a torch.nn.Module holding Hugging Face models, got a {name}: {hint}")
+
+
+def _holds_hf_model(module) -> bool:
+    if "transformers" not in sys.modules:
+        return False
+    from transformers import PreTrainedModel
+
+    return any(isinstance(m, PreTrainedModel) for m in module.modules())
 
 
 def _outermost(module, model_type) -> list:

@@ -18,6 +18,7 @@ import logging
 
 import cudnn_attention
 from cudnn_attention import provider as _provider
+from cudnn_attention.plan import device_unservable_reason as unservable_reason
 
 from ..hf.model_switch import ModelSwitch
 
@@ -142,7 +143,25 @@ class CudnnAttentionHooks:
                 # e.g. CUDNN_ATTENTION=1 next to an explicit callback: one switch is enough.
                 _log.info("cudnn_attention: another CudnnAttention callback runs first; this one stays inactive")
                 return
+        self._refuse_strict_where_cudnn_serves_nothing(trainer.strategy.root_device)
         self._activate()
+
+    def _refuse_strict_where_cudnn_serves_nothing(self, device) -> None:
+        """Strict mode where cuDNN can serve no call (a CPU Trainer, no frontend) would fail at the first attention call,
+        deep inside the training step: say so before any work, with what to change."""
+        if not (self.strict or cudnn_attention.is_strict()):
+            return
+        reason = unservable_reason(device)
+        if reason is None:
+            return
+        if self.strict:
+            asked, change = "CudnnAttention(strict=True)", "pass strict=False to train on the exact fallback"
+        else:
+            asked, change = "strict mode (CUDNN_ATTENTION_STRICT=1, or set_strict(True))", "unset it to train on the exact fallback"
+        raise cudnn_attention.StrictModeError(
+            f"{asked} turns every attention call cuDNN cannot serve into an error, and cuDNN serves no call here ({reason}: "
+            f"the Trainer runs on {device}): {change}, or run on a GPU"
+        )
 
     def _switch_models(self, pl_module) -> None:
         if self._switch is not None:

@@ -39,6 +39,7 @@ __all__ = [
     "Reference",
     "RunOptions",
     "Size",
+    "check_fp16",
     "check_machine",
     "check_strict",
     "data_budget",
@@ -221,6 +222,18 @@ def check_strict(*, strict: bool, device) -> None:
     reason = frontend_unavailable_reason()
     if reason is not None:
         raise RecipeError(f"{flag('strict')} needs cuDNN, and here the {reason}: install it, or leave out {flag('strict')}")
+
+
+def check_fp16(*, fp16: bool, device) -> None:
+    """Raise :class:`RecipeError` for ``--fp16`` without a GPU: accelerate turns fp16 mixed precision off on a CPU (no
+    autocast to float16 there), so the run would train in float32 while its arguments, and ``metrics.json``, say fp16.
+    ``--bf16`` autocasts on a CPU too, and stays allowed."""
+    if fp16 and not str(device).startswith("cuda"):
+        raise RecipeError(
+            f"{flag('fp16')} needs a GPU: on a CPU (device here: {device}) accelerate turns fp16 mixed precision off, and the run "
+            f"trains in float32 while metrics.json says fp16: leave out {flag('fp16')}, or pass {flag('bf16')} for bfloat16 autocast "
+            "on the CPU"
+        )
 
 
 def help_of(options: type, name: str) -> str:

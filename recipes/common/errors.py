@@ -66,9 +66,10 @@ def command_name() -> str:
     return Path(sys.argv[0]).name
 
 
-def usage_error(prog: str, message: str, *, options: list[str] = ()) -> NoReturn:
+def usage_error(prog: str, message: str, *, options: list[str] = (), help_flag: str = "--help") -> NoReturn:
     """Print ``prog: error: message`` as one line on stderr (no usage block: a recipe's runs to over a hundred lines of
-    ``TrainingArguments``), with the closest of ``options`` to an unrecognized flag, and exit with argparse's status 2."""
+    ``TrainingArguments``), with the closest of ``options`` to an unrecognized flag and ``help_flag``, the flag that lists
+    them all, and exit with argparse's status 2."""
     message = " ".join(message.split())
     unknown = re.match(r"unrecognized arguments: (.*)", message)
     hints = []
@@ -77,7 +78,7 @@ def usage_error(prog: str, message: str, *, options: list[str] = ()) -> NoReturn
             if given.startswith("--"):
                 close = difflib.get_close_matches(given.split("=")[0], options, n=1)
                 hints += [f"did you mean {close[0]}?"] if close else []
-    hints.append(f"{prog} --help lists every flag")
+    hints.append(f"{prog} {help_flag} lists every flag")
     print(f"{prog}: error: {message} ({' '.join(hints)})", file=sys.stderr)
     raise SystemExit(2)
 

@@ -10,8 +10,10 @@ writes the summary.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
+import textwrap
 from pathlib import Path
 
 import torch
@@ -26,6 +28,7 @@ from .config import (
     WEIGHT_DECAY,
     RecipeOptions,
     RunOptions,
+    check_fp16,
     check_machine,
     check_strict,
 )
@@ -57,7 +60,7 @@ TRAINER_DEFAULTS = dict(
 # (max_steps) and the step count (warmup_steps, logging_steps); output_dir: a new folder per run.
 _RESOLVED_LATER = ("use_cpu", "bf16", "dataloader_pin_memory", "max_steps", "warmup_steps", "logging_steps", "output_dir")
 # TrainingArguments fields that transformers 5.24 renamed (the old names warn, FutureWarning: removed in v6): the recipe
-# hands the value to the name this transformers has, so `--gradient_checkpointing` works quietly on 5.17 and 5.24 alike.
+# hands the value to the name this transformers has, so `--gradient_checkpointing` works quietly on 5.17 to 5.25 alike.
 _RENAMED = (("gradient_checkpointing", "activation_checkpointing"), ("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs"))
 # What `pip install` takes for the --report_to integrations whose package has another name.
 _REPORTING_PACKAGES = {"azure_ml": "azureml-core", "comet_ml": "comet-ml", "flyte": "flytekit"}
@@ -67,17 +70,70 @@ def _fields(values: dict, dataclass_type) -> dict:
     return {f.name: values[f.name] for f in dataclasses.fields(dataclass_type) if f.init and f.name in values}
 
 
+# What --help says of the flags it does not list: TrainingArguments' (about 130 of them, 600 lines of help).
+_TRAINING_ARGUMENTS_HELP = (
+    "Every transformers TrainingArguments flag is taken too (--learning_rate, --report_to, --gradient_checkpointing, "
+    f"--save_strategy, ...), with the recipe's defaults: a cosine schedule at {LEARNING_RATE:g}, the size preset's steps, no "
+    "checkpoints, bf16 on a GPU. --help-all lists them after these; so does"
+)
+_TRAINING_ARGUMENTS_DOCS = "https://huggingface.co/docs/transformers/main_classes/trainer#transformers.TrainingArguments"
+
+
+def _parser(family: str):
+    """The recipe's argument parser: its own flags (:class:`RecipeOptions`, :class:`RunOptions`), then every
+    ``TrainingArguments`` flag; ``--help`` lists the recipe's own and points to transformers' for the rest."""
+    from transformers import HfArgumentParser, TrainingArguments
+
+    own = {f.name for options in (RecipeOptions, RunOptions) for f in dataclasses.fields(options)} | {"help", argparse.SUPPRESS}
+
+    class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+        """transformers' formatter (each flag's default shown), with the epilog as written: its link on a line of its own."""
+
+    class RecipeArgumentParser(HfArgumentParser):
+        full_help = False
+
+        def error(self, message):  # one line: argparse's usage block lists every TrainingArguments field first
+            usage_error(self.prog, message, options=option_strings(self), help_flag="--help-all")
+
+        def format_help(self):
+            if self.full_help:
+                return super().format_help()
+            hidden = [action for action in self._actions if action.dest not in own and action.help is not argparse.SUPPRESS]
+            helps = [action.help for action in hidden]
+            for action in hidden:
+                action.help = argparse.SUPPRESS
+            try:
+                return super().format_help()
+            finally:
+                for action, text in zip(hidden, helps):
+                    action.help = text
+
+    class FullHelp(argparse.Action):
+        def __init__(self, option_strings, dest, **kwargs):
+            super().__init__(option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, nargs=0, **kwargs)
+
+        def __call__(self, parser, namespace, values, option_string=None):
+            parser.full_help = True
+            parser.print_help()
+            parser.exit()
+
+    parser = RecipeArgumentParser(
+        (RecipeOptions, RunOptions, TrainingArguments),
+        usage="%(prog)s [the recipe's flags below] [any TrainingArguments flag]",
+        epilog=f"{textwrap.fill(_TRAINING_ARGUMENTS_HELP, 100)}\n{_TRAINING_ARGUMENTS_DOCS}",
+        formatter_class=HelpFormatter,
+    )
+    parser.add_argument("--help-all", action=FullHelp, help="show every flag, the TrainingArguments ones included, and exit")
+    parser.set_defaults(family=family, **TRAINER_DEFAULTS, **dict.fromkeys(_RESOLVED_LATER))
+    return parser
+
+
 def parse(argv: list[str] | None = None, *, family: str = "mistral"):
     """``(options, run_options, training_args)`` from ``argv`` (default: the command line); ``family`` is the recipe's default
     model family. ``training_args.output_dir`` stays ``None`` unless given (:func:`run` makes a new folder)."""
-    from transformers import HfArgumentParser, TrainingArguments
+    from transformers import TrainingArguments
 
-    class RecipeArgumentParser(HfArgumentParser):
-        def error(self, message):  # one line: argparse's usage block lists every TrainingArguments field first
-            usage_error(self.prog, message, options=option_strings(self))
-
-    parser = RecipeArgumentParser((RecipeOptions, RunOptions, TrainingArguments))
-    parser.set_defaults(family=family, **TRAINER_DEFAULTS, **dict.fromkeys(_RESOLVED_LATER))
+    parser = _parser(family)
     values = vars(parser.parse_args(argv))
     _rename_for_this_transformers(values)
     if values["use_cpu"] is None:
@@ -225,6 +281,7 @@ def run(options: RecipeOptions, run_options: RunOptions, args, *, recipe: str) -
     main_process = PartialState().is_main_process
     check_machine(size=options.size, tokens_per_step=options.tokens_per_step, device=device)
     check_strict(strict=options.strict, device=device)
+    check_fp16(fp16=args.fp16, device=device)
     _check_reporting(args.report_to)
     if args.output_dir is not None:  # a folder that cannot take the results is refused before the data is read (_run_dir again below)
         checked_output_dir(args.output_dir, overwrite=run_options.overwrite_output_dir)

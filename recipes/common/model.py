@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 import cudnn_attention  # noqa: F401  (registers attn_implementation="cudnn" when transformers loads)
+from cudnn_attention.integrations.hf._compat import without_hub_kernels
 
 from .config import ModelShape, model_shape
 from .errors import RecipeError
@@ -104,8 +105,9 @@ def build_model(
             # Local directories only: never a hub name (recipes run offline; no surprise downloads).
             raise RecipeError(f"checkpoint directory {checkpoint!r} does not exist: pass a local directory (recipes download nothing)")
         with _refusal_as_unsupported():
+            # Without hub kernels: implementations compared must run the same kernels outside attention (see _compat).
             model = AutoModelForCausalLM.from_pretrained(
-                checkpoint, attn_implementation=attn_implementation, dtype=dtype, local_files_only=True
+                checkpoint, attn_implementation=attn_implementation, dtype=dtype, local_files_only=True, **without_hub_kernels()
             )
         if device is not None:
             model = model.to(device)
@@ -201,7 +203,7 @@ def packing_safe_masks(model) -> None:
         if reference is None:  # the mask builders read only shape, dtype and device
             reference = torch.empty(*input_ids.shape, 0, dtype=module.embed_tokens.weight.dtype, device=input_ids.device)
         # (config, inputs_embeds, attention_mask, cache) by position: 5.24 renamed the cache keyword from past_key_values
-        # (the old name warns, and goes in 5.40), and both names sit at the same place in 5.17 to 5.24.
+        # (the old name warns, and goes in 5.40), and both names sit at the same place in 5.17 to 5.25.
         arguments = (module.config, reference, None, None)
         kwargs["attention_mask"] = {
             "full_attention": create_causal_mask(*arguments, position_ids=position_ids),

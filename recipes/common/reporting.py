@@ -108,12 +108,14 @@ def announce_run(
 
 @contextlib.contextmanager
 def fallback_announced(*, device: str):
-    """Inside, the fallback's own warning for CPU tensors stays silent on a CPU run: :func:`header` said it once already."""
+    """Inside, the fallback's own warning for CPU tensors, and the provider's for a machine without CUDA (the Lightning
+    callback installs it), stay silent on a CPU run: :func:`header` said it once already."""
     with warnings.catch_warnings():
         if not str(device).startswith("cuda"):
-            from cudnn_attention import CudnnAttentionFallbackWarning
+            from cudnn_attention import CudnnAttentionFallbackWarning, ProviderUnusedWarning
 
             warnings.filterwarnings("ignore", message=".*: cpu tensors$", category=CudnnAttentionFallbackWarning)
+            warnings.filterwarnings("ignore", category=ProviderUnusedWarning)
         yield
 
 

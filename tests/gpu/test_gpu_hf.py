@@ -9,7 +9,8 @@ import cudnn_attention
 
 transformers = pytest.importorskip("transformers")
 from support.child_process import run_python  # noqa: E402
-from support.hf_models import MODELS, VOCAB, build, documents, packed_batch, padded_batch  # noqa: E402
+from support.compile_counting import counting_backend  # noqa: E402
+from support.hf_models import MODELS, VOCAB, build, documents, packed_batch, padded_batch, prompt_batches  # noqa: E402
 from support.model_gradients import gradient_mismatches, parameter_gradients  # noqa: E402
 from support.tolerances import assert_within_lowp_noise, lowp_noise_bound  # noqa: E402
 
@@ -268,6 +269,30 @@ def test_compiled_generation_fullgraph_matches_eager(name):
     model = gpu_model(name, "cudnn")
     model.forward = torch.compile(model.forward, fullgraph=True)
     assert torch.equal(model.generate(ids, **kwargs), expected)
+
+
+@pytest.mark.parametrize("padding", [False, True])
+def test_compiled_generate_with_a_static_cache_compiles_once_on_cudnn(padding):
+    # transformers' own test_generate_compile_model_forward_fullgraph on cuDNN: CompileConfig(fullgraph=True,
+    # dynamic=False) compiles the decode forward once and replays it for every step of two generations, each step
+    # served by cuDNN (strict: any fallback raises), with the tokens of the uncompiled run.
+    from transformers import CompileConfig
+
+    torch._dynamo.reset()
+    batches = prompt_batches(2, rows=2, length=24, padding=padding, seed=5, device=DEVICE)
+    kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, cache_implementation="static")
+    model = gpu_model("llama", "cudnn")
+    expected = [model.generate(**batch, **kwargs) for batch in batches]
+    backend, graphs = counting_backend()
+    compile_config = CompileConfig(fullgraph=True, dynamic=False, backend=backend)
+    cudnn_attention.reset_stats()
+    with cudnn_attention.strict():
+        got = [model.generate(**batch, **kwargs, compile_config=compile_config) for batch in batches]
+    for run, (a, b) in enumerate(zip(got, expected)):
+        assert torch.equal(a, b), f"generation {run}: compiled {a.tolist()} against uncompiled {b.tolist()}"
+    assert len(graphs) == 1, f"the decode forward was compiled {len(graphs)} times over 2 x 5 steps"
+    stats = cudnn_attention.stats()
+    assert stats["cudnn_forward"] > 0 and not stats["fallback_forward"], stats
 
 
 _BAD_PACKING_ON_DEVICE = """

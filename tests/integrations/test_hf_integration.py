@@ -108,6 +108,38 @@ def test_nested_switches_leave_a_model_to_the_switch_that_moved_it():
     assert _compat.attn_implementation_of(model) == "sdpa"
 
 
+def test_switch_given_a_trainer_says_to_pass_its_model(tmp_path):
+    # It once failed deep inside with "AttributeError: 'Trainer' object has no attribute 'modules'".
+    from transformers import Trainer, TrainingArguments
+
+    from cudnn_attention.integrations.hf import ModelSwitch, switch_to_cudnn
+
+    model = build("llama", "eager")
+    trainer = Trainer(model=model, args=TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none"))
+    expected = r"takes a torch\.nn\.Module .* got a transformers\.trainer\.Trainer: pass its model, switch_to_cudnn\(trainer\.model\)"
+    with pytest.raises(TypeError, match=expected):
+        switch_to_cudnn(trainer)
+    with pytest.raises(TypeError, match=r"got a str: pass"):
+        ModelSwitch().apply("meta-llama/Llama-3.2-1B")
+    assert _compat.attn_implementation_of(model) == "eager"
+    with switch_to_cudnn(trainer.model):
+        assert _compat.attn_implementation_of(model) == "cudnn"
+
+
+def test_switch_with_no_hugging_face_model_inside_says_so():
+    import warnings
+
+    from cudnn_attention.integrations.hf import switch_to_cudnn
+
+    with pytest.warns(UserWarning, match=r"no Hugging Face model \(transformers\.PreTrainedModel\) inside the Linear") as caught:
+        switch = switch_to_cudnn(torch.nn.Linear(2, 2))
+    assert switch.models == [] and caught[0].filename == __file__  # the warning names the caller's line
+    model = build("llama", "sdpa")
+    with switch_to_cudnn(model), warnings.catch_warnings():
+        warnings.simplefilter("error")  # a model held by another switch is no mistake: no warning
+        assert switch_to_cudnn(model).models == []
+
+
 def test_switch_restores_on_error_and_reapplies_after_a_move_in_between():
     from cudnn_attention.integrations.hf import ModelSwitch
 
@@ -250,6 +282,18 @@ def test_static_cache_generation_matches_eager():
     assert torch.equal(model.generate(ids, **kwargs), expected)
 
 
+def test_fallback_warning_names_the_users_line_through_transformers():
+    # Through transformers' modeling code the warning once named the package's own attention function.
+    import sys
+
+    model = build("llama", "cudnn")
+    ids = random_ids(1, 6)
+    with torch.no_grad(), pytest.warns(cudnn_attention.CudnnAttentionFallbackWarning, match="cpu tensors") as record:
+        line = sys._getframe().f_lineno + 1
+        model(ids)
+    assert [(w.filename, w.lineno) for w in record] == [(__file__, line)]
+
+
 def test_output_attentions_goes_to_the_eager_path_visibly():
     model = build("llama", "cudnn")
     ids = random_ids(1, 6)
@@ -262,16 +306,22 @@ def test_output_attentions_goes_to_the_eager_path_visibly():
 
 
 def test_mask_function_limits_static_cache_keys():
-    # A static cache's unwritten slots are told by the mask's width (the keys written), never by zeros in it.
+    # A static cache's unwritten slots are told by the written length (a tensor for a static cache), never by zeros in
+    # the mask: its slot map has the cache's width, -1 past the written keys, 0 for padding.
     from cudnn_attention.integrations.hf import cudnn_attention_mask
 
-    keep = cudnn_attention_mask(
+    slots = cudnn_attention_mask(
         batch_size=2, q_length=1, kv_length=8, q_offset=torch.tensor(4), kv_offset=0, attention_mask=None, device="cpu"
     )
-    assert keep.shape == (2, 5) and keep.all()
+    assert slots.dtype == torch.int8 and slots.tolist() == [[1] * 5 + [-1] * 3] * 2
     padding = torch.tensor([[0, 1, 1, 1, 1], [1, 1, 1, 1, 1]], dtype=torch.bool)
+    slots = cudnn_attention_mask(batch_size=2, q_length=1, kv_length=8, q_offset=torch.tensor(4), kv_offset=0, attention_mask=padding)
+    assert slots.tolist() == [[0, 1, 1, 1, 1, -1, -1, -1], [1, 1, 1, 1, 1, -1, -1, -1]]
+    # generate passes that map back into the forward cast to bool (-1 is True there): the same map comes out.
+    again = cudnn_attention_mask(batch_size=2, q_length=1, kv_length=8, q_offset=torch.tensor(4), kv_offset=0, attention_mask=slots.bool())
+    assert torch.equal(again, slots)
     keep = cudnn_attention_mask(batch_size=2, q_length=1, kv_length=8, q_offset=4, kv_offset=0, attention_mask=padding)
-    assert keep.tolist() == padding.tolist()
+    assert keep.tolist() == padding.tolist()  # a written length known as an int: the keep-mask of the written keys
     assert (
         cudnn_attention_mask(batch_size=2, q_length=5, kv_length=5, q_offset=0, attention_mask=torch.ones(2, 5, dtype=torch.bool)) is None
     )
@@ -298,10 +348,9 @@ def test_mask_function_traces_without_data_dependent_branches():
         )
 
     compiled = torch.compile(build_mask, fullgraph=True, backend="eager")
-    padding = torch.tensor([[0, 1, 1, 1, 1], [1, 1, 1, 1, 1]], dtype=torch.bool)
-    assert torch.equal(compiled(padding, torch.tensor(4)), padding)
-    full = torch.ones(2, 5, dtype=torch.bool)
-    assert torch.equal(compiled(full, torch.tensor(4)), full)  # 5 of 8 written: the mask stays, whatever its values
+    padding = torch.tensor([[0, 1, 1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1, 1]], dtype=torch.bool)
+    assert compiled(padding, torch.tensor(4)).tolist() == [[0, 1, 1, 1, 1, -1, -1, -1], [1, 1, 1, 1, 1, -1, -1, -1]]
+    assert compiled(padding, torch.tensor(5)).tolist() == [[0, 1, 1, 1, 1, 1, -1, -1], [1, 1, 1, 1, 1, 1, -1, -1]]
 
 
 def compare_with_eager(name, **inputs):
@@ -391,7 +440,7 @@ def test_compiled_generation_traces_the_hf_layer(name):
 
 def test_compiled_static_cache_decoding_without_a_mask():
     # A compiled forward called directly with a static cache and no mask: the written length is a tensor while
-    # tracing, so the mask function hands over transformers' 4-D mask and the exact eager path serves the step.
+    # tracing, and the mask function's slot map tells the attention function which slots hold keys.
     from transformers import StaticCache
 
     torch._dynamo.reset()
@@ -409,10 +458,11 @@ def test_compiled_static_cache_decoding_without_a_mask():
         step = forward(ids[:, 4:], None, None, cache).logits
     assert_close_rel(torch.cat([prefill, step], dim=1), expected, "compiled static-cache logits")
     # The compiled graphs count what they run, per call, as eager does: the prefill's core calls (two per layer: without
-    # gradients the HF layer computes the last query row on its own too, see _masked) and the step's HF-layer fallback.
+    # gradients the HF layer computes the last query row on its own too, see _masked) and the step's (one per layer: a
+    # single query). The step once went to the eager-equivalent path on transformers' 4-D mask; none does now.
     fallbacks = cudnn_attention.stats()["fallback_forward"]
     layers = model.config.num_hidden_layers
-    assert fallbacks == {"cpu tensors": 2 * layers, "transformers: a 4-D attention mask (model-specific mask functions)": layers}, fallbacks
+    assert fallbacks == {"cpu tensors": 3 * layers}, fallbacks
 
 
 @pytest.mark.parametrize("name", MODELS)

@@ -94,8 +94,36 @@ def test_cli_init_args_select_what_is_switched(tmp_path):
     assert cli.model.seen_implementations == ["sdpa"] * STEPS and cli.model.seen_provider == [False] * STEPS
 
 
-def test_exception_path_restores_model_provider_and_strict(tmp_path):
-    # Strict mode on CPU makes the first attention call raise: the run dies inside training_step.
+def test_strict_where_cudnn_serves_nothing_stops_before_training_in_one_line(tmp_path):
+    # A CPU Trainer with strict=True once died at the first training step, in a 155-line traceback.
+    model = TinyLlamaModule()
+    trainer = Trainer(callbacks=[CudnnAttention(strict=True)], **_trainer_options(tmp_path))
+    expected = (
+        r"CudnnAttention\(strict=True\) .* cuDNN serves no call here \(cpu tensors: the Trainer runs on cpu\): "
+        r"pass strict=False .* or run on a GPU"
+    )
+    with pytest.raises(cudnn_attention.StrictModeError, match=expected) as raised:
+        trainer.fit(model)
+    assert "\n" not in str(raised.value)
+    assert model.seen_implementations == []  # before any step
+    assert _compat.attn_implementation_of(model.hf) == "sdpa"
+
+
+def test_strict_from_the_environment_is_checked_too(tmp_path, monkeypatch):
+    monkeypatch.setenv(factory.ENV_VAR, "1")
+    monkeypatch.setenv("CUDNN_ATTENTION_STRICT", "1")
+    model = TinyLlamaModule()
+    with pytest.raises(cudnn_attention.StrictModeError, match=r"\(CUDNN_ATTENTION_STRICT=1, or set_strict\(True\)\) .*: unset it"):
+        Trainer(**_trainer_options(tmp_path)).fit(model)
+    assert model.seen_implementations == []
+
+
+def test_exception_path_restores_model_provider_and_strict(tmp_path, monkeypatch):
+    # cuDNN "serves" this CPU Trainer as far as the setup check can tell, so strict mode is on when the first attention call
+    # falls back: the run dies inside training_step.
+    from cudnn_attention.integrations.lightning import _switch
+
+    monkeypatch.setattr(_switch, "unservable_reason", lambda device: None)
     model = TinyLlamaModule()
     trainer = Trainer(callbacks=[CudnnAttention(strict=True)], **_trainer_options(tmp_path))
     with pytest.raises(cudnn_attention.StrictModeError, match="cpu tensors"):

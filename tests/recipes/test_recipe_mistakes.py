@@ -70,12 +70,14 @@ TRAINER_MISTAKES = [
     ),
     (["--min_doc_tokens", "600"], r"--min_doc_tokens 600 is longer than the longest document, 512 tokens \(the tiny preset's; "),
     (["--strict"], r"--strict turns every call cuDNN cannot serve into an error, and without a GPU .* leave out --strict"),
+    # It trained, metrics.json said fp16 True, and the loss equalled the fp32 run's: accelerate turns fp16 off on a CPU.
+    (["--fp16"], r"--fp16 needs a GPU: on a CPU .* trains in float32 .*: leave out --fp16, or pass --bf16 for bfloat16 autocast"),
     (["--tokenizer", "no_tokenizer"], r"tokenizer directory 'no_tokenizer' holds no tokenizer transformers can load \(.*\): pass a "),
     (["--output_dir", "a_file"], r"--output_dir a_file is a file, not a folder: pass --output_dir with a folder"),
     (["--output_dir", "a_file/run"], r"--output_dir a_file/run lies under .*a_file, which is a file, not a folder"),
     (["--report_to", "tensorbord"], r"--report_to tensorbord: transformers knows no integration 'tensorbord'; pass one of .*tensorboard"),
     # Item 5: a mistyped flag printed the usage of every TrainingArguments field (about 127 lines) first.
-    (["--max_stpes", "2"], r"unrecognized arguments: --max_stpes 2 \(did you mean --max_steps\? train_sliding_window.py --help lists"),
+    (["--max_stpes", "2"], r"unrecognized arguments: --max_stpes 2 \(did you mean --max_steps\? train_sliding_window.py --help-all lists"),
     (["--size", "huge"], r"argument --size: invalid choice: 'huge'"),
 ]
 

@@ -179,6 +179,25 @@ def test_data_smaller_than_a_step_warns_with_the_numbers(tmp_path):
         assert warn_if_repeated(packs=[pack] * 10, tokens_per_step=1024, steps=10) is None
 
 
+def test_trainer_help_shows_the_recipes_own_flags_and_points_to_transformers_for_the_rest(capsys):
+    # --help was 664 lines: a 130-line usage block, then every TrainingArguments field.
+    from cudnn_attention.recipes.common import RecipeOptions, RunOptions
+
+    with pytest.raises(SystemExit) as stopped:
+        train_sliding_window.main(["--help"])
+    assert stopped.value.code == 0
+    text = capsys.readouterr().out
+    own = [f.name for options in (RecipeOptions, RunOptions) for f in dataclasses.fields(options)]
+    assert [flag for flag in re.findall(r"^  --(\w+)", text, re.MULTILINE) if flag != "help"] == own, text
+    assert len(text.splitlines()) < 80, len(text.splitlines())
+    assert "--help-all" in text and "TrainingArguments" in text and "\n  --learning_rate" not in text
+    with pytest.raises(SystemExit):
+        train_sliding_window.main(["--help-all"])  # every flag, the recipe's first
+    full = capsys.readouterr().out
+    flags = re.findall(r"^  --(\w+)", full, re.MULTILINE)
+    assert flags[: len(own)] == own and "learning_rate" in flags and "report_to" in flags
+
+
 def test_lightning_help_describes_every_model_flag(capsys):
     with pytest.raises(SystemExit) as stopped:
         train_lightning.main(["--help"])

@@ -90,6 +90,21 @@ def documents(lengths, *, seed: int) -> list[list[int]]:
     return [torch.randint(3, VOCAB, (n,), generator=generator).tolist() for n in lengths]
 
 
+def prompt_batches(count: int, *, rows: int, length: int, padding: bool, seed: int, device="cpu") -> list[dict]:
+    """``count`` prompt batches (``input_ids``, ``attention_mask``) of the same shape and different tokens, for
+    ``generate``; with ``padding``, the last row of each left-padded by ``length // 3`` tokens."""
+    generator = torch.Generator().manual_seed(seed)
+    batches = []
+    for _ in range(count):
+        ids = torch.randint(3, VOCAB, (rows, length), generator=generator)
+        mask = torch.ones_like(ids)
+        if padding:
+            mask[-1, : length // 3] = 0
+            ids[-1, : length // 3] = 0
+        batches.append({"input_ids": ids.to(device), "attention_mask": mask.to(device)})
+    return batches
+
+
 def packed_batch(docs, *, flash_kwargs: bool = True, device="cpu", with_labels: bool = False) -> dict:
     """``docs`` packed into one row by transformers' ``DataCollatorWithFlattening``, on ``device``."""
     from transformers import DataCollatorWithFlattening

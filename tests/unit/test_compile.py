@@ -165,6 +165,18 @@ def test_compiled_fallback_warns_once():
     assert len([w for w in record if issubclass(w.category, cudnn_attention.CudnnAttentionFallbackWarning)]) == 1
 
 
+def test_compiled_fallback_warning_names_the_compiled_code_line():
+    # The graph's own frames are torch's: the warning once named policy.py, now the user's line in the compiled code.
+    import sys
+
+    q = torch.randn(1, 2, 5, 8)
+    line = sys._getframe().f_lineno + 1
+    compiled = torch.compile(lambda q: cudnn_attention.attention(q, q, q), fullgraph=True, backend=BACKEND)
+    with pytest.warns(cudnn_attention.CudnnAttentionFallbackWarning, match="cpu tensors") as record:
+        compiled(q)
+    assert [(w.filename, w.lineno) for w in record] == [(__file__, line)]
+
+
 @pytest.mark.parametrize("entry", ["attention", "varlen_attention"])
 def test_strict_mode_refuses_compiled_calls(entry):
     torch.manual_seed(7)

@@ -35,11 +35,28 @@ def test_without_a_gpu_the_report_names_the_versions_and_exits_1(capsys):
 
 @pytest.mark.no_gpu
 def test_json_report_parses(capsys, tmp_path):
-    assert launch.main(["doctor", "--json", "--model", str(tmp_path)]) == 1
+    assert launch.main(["doctor", "--json"]) == 1
     report = json.loads(capsys.readouterr().out)
     assert report["exit_status"] == 1 and report["checks"] == [] and report["notes"] == [doctor.NO_GPU]
     assert report["versions"]["torch"] == torch.__version__ and report["versions"]["gpu"] == "cpu"
     assert report["known_issues"] == doctor.known_issues(None) and len(report["known_issues"]) == len(errata.ERRATA)
+
+
+def test_a_model_path_that_does_not_exist_is_one_line_before_any_work(capsys):
+    # On a CPU it once gave the normal report, with no word about the model or the path.
+    assert launch.main(["doctor", "--model", "/no/such/model"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1, (out, err)
+    assert err.startswith("cudnn-attention doctor: error: --model /no/such/model: no such file or directory"), err
+    assert "pass a checkpoint directory, a config.json or a hub id" in err
+
+
+@pytest.mark.no_gpu
+def test_a_model_the_cpu_cannot_check_is_named_in_the_report(capsys, tmp_path):
+    assert launch.main(["doctor", "--json", "--model", str(tmp_path)]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["checks"] == [] and report["notes"][0] == doctor.NO_GPU
+    assert report["notes"][1] == f"--model {tmp_path}: not checked ({doctor.NO_GPU})", report["notes"]
 
 
 def test_self_checks_on_the_cpu_measure_the_exact_path(small):

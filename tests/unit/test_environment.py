@@ -80,3 +80,53 @@ def test_versions_imports_no_framework():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == "[]"
+
+
+# ----------------------------------------------------------------------------------------------
+# The tested ranges: written once (environment.TESTED), flagged by the doctor, the README's and CI's
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("torch_version", "transformers_version", "flagged"),
+    [
+        ("2.13.0+cpu", "5.25.0", []),
+        ("2.9.1", "5.17.0", []),
+        ("2.15.0+cu130", "5.24.0", []),
+        ("2.16.0a0+git1234", "5.25.0", ["torch"]),
+        ("2.8.0", "5.26.0", ["torch", "transformers"]),
+        ("2.13.0", "5.16.2", ["transformers"]),
+        ("2.13.0", None, []),  # transformers not installed: nothing to say about it
+    ],
+)
+def test_the_doctor_flags_a_version_outside_the_tested_ranges(torch_version, transformers_version, flagged, monkeypatch):
+    from cudnn_attention import doctor
+
+    real = environment.versions
+
+    def versions():
+        return {**real(), "torch": torch_version, "transformers": transformers_version}
+
+    if torch.cuda.is_available():
+        pytest.skip("the notes are read from a CPU report, which runs no check")
+    monkeypatch.setattr(environment, "versions", versions)
+    notes = doctor.build_report().notes
+    outside = [note for note in notes if "outside the versions this package is tested with" in note]
+    assert [note.split()[0] for note in outside] == flagged, notes
+    for name, note in zip(flagged, outside):
+        low, high = environment.TESTED[name]
+        assert note.startswith(f"{name} {versions()[name]} is outside") and f"({low} to {high})" in note, note
+
+
+def test_the_readme_and_ci_name_the_tested_ranges():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    readme = " ".join((root / "README.md").read_text().split())
+    for name, (low, high) in environment.TESTED.items():
+        assert f"{name} {low} to {high}" in readme, name
+    ci = (root / ".ci" / "run").read_text()
+    (loop,) = [line for line in ci.splitlines() if line.startswith("for transformers in ")]
+    tested = loop.split(" in ")[1].split(";")[0].split()
+    low, high = environment.TESTED["transformers"]
+    assert tested[0].startswith(f"{high}.") and tested[-1].startswith(f"{low}."), tested  # newest first, the floor last

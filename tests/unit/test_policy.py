@@ -87,6 +87,17 @@ def test_strict_global_and_env(monkeypatch):
     assert not cudnn_attention.is_strict()
 
 
+@pytest.mark.parametrize("value", ["yes", "false", 1, 0])
+def test_strict_settings_take_a_bool_and_name_anything_else(value):
+    # set_strict("false") once turned strict mode on (bool("false") is True); every mistyped value is named instead.
+    with pytest.raises(TypeError, match=rf"set_strict\(\) takes True, False or None, got {value!r}"):
+        cudnn_attention.set_strict(value)
+    with pytest.raises(TypeError, match=rf"strict\(\) takes True or False, got {value!r}"), cudnn_attention.strict(value):
+        pass
+    assert not cudnn_attention.is_strict()
+    assert cudnn_attention.set_strict(True) is None and cudnn_attention.set_strict(None) is True
+
+
 def test_a_graph_build_or_rejection_does_not_pin_the_callers_tensors(monkeypatch):
     """Frontend 1.32 keeps a caught heuristics error in a local while it creates plans (frame ->
     error -> traceback -> frame). Built on the caller's stack, that cycle held every calling frame

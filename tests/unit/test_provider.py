@@ -54,6 +54,21 @@ def test_install_is_idempotent_and_remove_restores_torch_kernels():
     assert not any(_ours_registered(op) for op in DENSE_OPS + VARLEN_OPS)
 
 
+def test_install_without_cuda_says_no_call_will_reach_it(monkeypatch):
+    # On a CPU machine the handle said active while torch's CPU kernel ran every call, stats()["provider"] at 0, no word.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.warns(UserWarning, match=r"install\(\): this machine has no CUDA device") as caught:
+        handle = cudnn_attention.install()
+    try:
+        assert caught[0].category is cudnn_attention.ProviderUnusedWarning and caught[0].filename == __file__
+        assert "attn_implementation='cudnn'" in str(caught[0].message)  # what to use instead
+        q = torch.randn(1, 2, 8, 16)
+        F.scaled_dot_product_attention(q, q, q, is_causal=True)  # torch's CPU kernel, as the warning says
+        assert handle.active and cudnn_attention.stats()["provider"]["sdpa_forward"] == 0
+    finally:
+        handle.remove()
+
+
 def test_sdp_backend_settings_are_set_while_installed_and_restored():
     cudnn = int(torch.nn.attention.SDPBackend.CUDNN_ATTENTION)
     before_enabled = torch.backends.cuda.cudnn_sdp_enabled()

@@ -176,3 +176,85 @@ def test_torchs_own_kernels_are_no_conflict():
     assert provider._registered_by(f"{torch.__file__.rsplit('/', 1)[0]}/_library/custom_ops.py:1104") == "torch"
     assert provider._registered_by(f"{provider.__file__}:12") == "us"
     assert provider._registered_by("/site-packages/cudnn/torch/sdpa_provider.py:301") == "other"
+
+
+# ----------------------------------------------------------------------------------------------
+# torch's own switch to the frontend's kernels (torch.backends.cuda.enable_cudnn_sdp_python, after torch 2.15)
+# ----------------------------------------------------------------------------------------------
+
+
+class _TorchSwitch:
+    """A stand-in for torch's ``enable_cudnn_sdp_python``/``cudnn_sdp_python_enabled`` (torch's main branch): on, it
+    installs the stand-in provider's kernels over the five ops, as torch's switch installs the frontend's."""
+
+    def __init__(self, provider_module):
+        self.provider_module = provider_module
+        self.libraries = None
+        self.calls = []
+
+    def enabled(self) -> bool:
+        return self.libraries is not None
+
+    def enable(self, enabled: bool) -> None:
+        self.calls.append(enabled)
+        if enabled and self.libraries is None:
+            self.libraries = self.provider_module.install()
+        elif not enabled and self.libraries is not None:
+            for library in self.libraries:
+                _compat.destroy_library(library)
+            self.libraries = None
+
+
+@pytest.fixture
+def torch_switch(stand_in, monkeypatch):
+    switch = _TorchSwitch(stand_in)
+    # By attribute, as the provider finds it: this torch has no such switch, torch's main branch does.
+    monkeypatch.setattr(torch.backends.cuda, "cudnn_sdp_python_enabled", switch.enabled, raising=False)
+    monkeypatch.setattr(torch.backends.cuda, "enable_cudnn_sdp_python", switch.enable, raising=False)
+    yield switch
+    switch.enable(False)
+
+
+def test_torchs_switch_on_makes_install_say_what_each_would_serve(torch_switch):
+    torch_switch.enable(True)
+    before = _sdp_settings()
+    with pytest.raises(provider.ProviderConflictError) as raised:
+        cudnn_attention.install()
+    message = str(raised.value)
+    assert "torch.backends.cuda.enable_cudnn_sdp_python" in message, message
+    assert "nvidia-cudnn-frontend's kernels" in message and "cudnn_attention's" in message, message  # what each would serve
+    assert "enable_cudnn_sdp_python(False)" in message and "install(replace_existing=True)" in message, message  # what to change
+    # Nothing changed: torch's switch still on, its kernels still running, no handle of ours.
+    assert torch_switch.enabled() and [_running(op) for op in ALL_OPS] == ["stand-in"] * len(ALL_OPS)
+    assert _sdp_settings() == before and provider.current() is None
+
+
+def test_replace_existing_turns_torchs_switch_off_until_remove(torch_switch):
+    torch_switch.enable(True)
+    with pytest.warns(provider.ProviderConflictWarning, match=r"enable_cudnn_sdp_python.*turned off until remove\(\)"):
+        handle = cudnn_attention.install(replace_existing=True)
+    # One owner per kernel: the switch is off (its kernels gone, not shadowed), ours run.
+    assert not torch_switch.enabled() and torch_switch.calls == [True, False]
+    assert [_running(op) for op in ALL_OPS] == ["ours"] * len(ALL_OPS)
+    assert all(len(_compat.kernel_registrations(op, "CUDA")) == 1 for op in ALL_OPS)
+    handle.remove()
+    assert torch_switch.enabled() and [_running(op) for op in ALL_OPS] == ["stand-in"] * len(ALL_OPS)
+
+
+def test_torchs_switch_turned_on_over_ours_is_named(torch_switch):
+    handle = cudnn_attention.install()
+    try:
+        torch_switch.enable(True)
+        assert sorted(handle.shadowed_by()) == sorted(ALL_OPS)
+        named = r"torch's switch torch\.backends\.cuda\.enable_cudnn_sdp_python, which is on"
+        with pytest.raises(provider.ProviderConflictError, match=named):
+            cudnn_attention.install()
+    finally:
+        handle.remove()
+
+
+def test_torchs_switch_off_or_absent_changes_nothing(torch_switch):
+    handle = cudnn_attention.install()  # the switch's attributes are there, and it is off
+    assert [_running(op) for op in ALL_OPS] == ["ours"] * len(ALL_OPS) and torch_switch.calls == []
+    handle.remove()
+    assert not torch_switch.enabled() and torch_switch.calls == []
