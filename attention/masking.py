@@ -17,6 +17,10 @@ import torch
 __all__ = ["MaskSpec", "effective_lengths", "is_int_window", "make_mask_spec", "visible_keys"]
 
 
+# The ops' argument for each MaskSpec field (see MaskSpec.OP_SCHEMA).
+_OP_FIELDS = (("window_left", "left"), ("window_right", "right"), ("bottom_right", "bottom_right"))
+
+
 class MaskSpec(NamedTuple):
     """A normalized mask: ``left``/``right`` in FlashAttention's convention (-1 = unbounded), and the diagonal's alignment.
     A NamedTuple: it is part of every graph-cache key, and hashing a tuple costs nothing in Python.
@@ -34,7 +38,7 @@ class MaskSpec(NamedTuple):
 
     # The ops' arguments that carry a mask (see cudnn_attention.op_args.OP_TAIL_SCHEMA): its fields, by these names.
     OP_SCHEMA = "int window_left=-1, int window_right=-1, bool bottom_right=False"
-    OP_FIELDS = {"window_left": "left", "window_right": "right", "bottom_right": "bottom_right"}  # op argument -> field
+    OP_FIELDS = dict(_OP_FIELDS)  # op argument -> field
 
     @property
     def has_band(self) -> bool:
@@ -50,7 +54,8 @@ class MaskSpec(NamedTuple):
 
     def op_args(self) -> dict:
         """The mask as the ops take it (:data:`OP_SCHEMA`)."""
-        return {name: getattr(self, field) for name, field in self.OP_FIELDS.items()}
+        # The module's tuple, not the class's dict: torch 2.9's Dynamo cannot trace a method of a NamedTuple's class attribute.
+        return {name: getattr(self, field) for name, field in _OP_FIELDS}
 
     @classmethod
     def from_op_args(cls, arguments: dict) -> MaskSpec:

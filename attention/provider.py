@@ -340,8 +340,11 @@ def _torch_switch_on() -> bool:
 
 
 def _set_torch_switch(enabled: bool) -> None:
-    # Reached only where _torch_switch_on() found the switch, an attribute of torch's main branch only.
-    getattr(torch.backends.cuda, "enable_cudnn_sdp_python")(enabled)
+    # Reached where _torch_switch_on() found the switch, an attribute of torch's main branch only; a switch gone since
+    # (a stand-in taken away) has nothing left to turn back on.
+    switch = getattr(torch.backends.cuda, "enable_cudnn_sdp_python", None)
+    if switch is not None:
+        switch(enabled)
 
 
 def _report_torch_switch(*, replace_existing: bool) -> None:
