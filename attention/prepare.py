@@ -40,17 +40,8 @@ def prepare_dense(
     padded = seqlens_q is not None or seqlens_kv is not None
     lengths = padding_lengths(seqlens_q, seqlens_kv, B, S_q, S_kv, q.device) if padded else NO_LENGTHS
     grad = needs_grad(q, k, v, sinks) if grad is None else grad
-    call = AttentionCall(
-        packed=False,
-        padded=padded,
-        max_seqlen_q=S_q,
-        max_seqlen_kv=S_kv,
-        scale=scale,
-        mask=mask,
-        has_sinks=sinks is not None,
-        need_lse=return_lse or grad,
-        needs_grad=grad,
-        **_checked(options),
+    call = _attention_call(
+        sinks, grad, return_lse, options, packed=False, padded=padded, max_seqlen_q=S_q, max_seqlen_kv=S_kv, scale=scale, mask=mask
     )
     return Prepared(call, q, k, v, sinks, lengths, key if _unchanged(given, q, k, v) else None)
 
@@ -91,17 +82,17 @@ def prepare_packed(
     grad = needs_grad(q, k, v, sinks) if grad is None else grad
     if grad:
         q, k, v = token_major(q), token_major(k), token_major(v)
-    call = AttentionCall(
+    call = _attention_call(
+        sinks,
+        grad,
+        return_lse,
+        options,
         packed=True,
         documents=cu_seqlens_q.shape[0] - 1,
         max_seqlen_q=max_seqlen_q,
         max_seqlen_kv=max_seqlen_kv,
         scale=scale,
         mask=mask,
-        has_sinks=sinks is not None,
-        need_lse=return_lse or grad,
-        needs_grad=grad,
-        **_checked(options),
     )
     return Prepared(call, q, k, v, sinks, Lengths(batch=batch), key if _unchanged(given, q, k, v) else None)
 
@@ -160,6 +151,12 @@ def prepare_aten(
         validate=False,
         grad=grad,
     )
+
+
+def _attention_call(sinks, grad: bool, return_lse: bool, options: dict, **fields) -> AttentionCall:
+    """The call value of a validated call: ``fields`` (its kind, bounds, scale and mask), what its sinks, gradients and
+    LSE ask of the kernels, and its :data:`~cudnn_attention.op_args.OP_OPTIONS` as passed."""
+    return AttentionCall(has_sinks=sinks is not None, need_lse=return_lse or grad, needs_grad=grad, **fields, **_checked(options))
 
 
 def _checked(options: dict) -> dict:
