@@ -177,6 +177,6 @@ def packed_batch(
 def _keeps(cu: torch.Tensor) -> bool:
     """Whether a batch of ``cu`` may be kept: not while tracing (fake tensors carry no identity worth keeping) nor while a
     CUDA graph is captured (a replay runs whatever batch is copied into the captured tensors)."""
-    if torch.compiler.is_compiling() or cu.device.type == "meta":
+    if cu.is_meta or torch.compiler.is_compiling():
         return False
     return not (cu.is_cuda and torch.cuda.is_current_stream_capturing())
