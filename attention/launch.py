@@ -128,7 +128,7 @@ def run_backward(graph, grad_out, q, k, v, out, lse, sinks, lengths: Lengths, gr
 
     ``grad_out`` or ``grad_lse`` may be None (the loss did not use that output), not both. The output's
     gradient is one launch of ``graph``; the LSE's is one more launch of the same graph on stand-in
-    operands (:func:`_lse_gradient_operands`), whose dQ and dK are exactly the LSE's share."""
+    operands (:func:`~cudnn_attention.lse_gradient.lse_gradient_operands`), whose dQ and dK are exactly the LSE's share."""
     invalid_B1S1 = None if lengths.seqlens_q is None else padding_rows(lengths.seqlens_q, q.shape[2])
     packed = lengths.cu_seqlens_q is not None
     set_after = _rows_set_after(graph, q, lengths)
