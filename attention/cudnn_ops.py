@@ -236,9 +236,8 @@ class _EagerAttention(torch.autograd.Function):
     def backward(ctx, grad_out, grad_lse):
         if grad_out is None and grad_lse is None:
             return None, None, None, None, None, None, None
-        q, k, v, out, lse, sinks, seqlens_q, seqlens_kv, cu_seqlens_q, cu_seqlens_kv = ctx.saved_tensors
-        # The saved index tensors are checked for in-place writes since the forward; the batch's facts come along with them.
-        del cu_seqlens_q, cu_seqlens_kv
+        # The prefix sums are saved so that an in-place write since the forward is caught; the batch carries them.
+        q, k, v, out, lse, sinks, seqlens_q, seqlens_kv, _, _ = ctx.saved_tensors
         lengths = Lengths(seqlens_q=seqlens_q, seqlens_kv=seqlens_kv, batch=ctx.batch)
         graph, deterministic = ctx.plan.backward, ctx.call.backward_deterministic()
         if ctx.plan.deterministic != deterministic:  # torch's setting changed since the forward (the op path resolves per backward too)

@@ -61,9 +61,10 @@ def _writes_every_row(graph, lengths: Lengths) -> bool:
     return lengths.batch is not None and lengths.batch.writes_every_row(graph.mask)
 
 
-def _rows_set_after(graph, q: torch.Tensor, lengths: Lengths) -> bool:
-    """Whether this packed call's unwritten rows are set after its kernels (:func:`_set_unwritten_rows`), not filled first."""
-    return lengths.batch is not None and not _writes_every_row(graph, lengths) and q.numel() >= _PASS_AFTER_MIN_ELEMENTS
+def _rows_set_after(q: torch.Tensor, lengths: Lengths, every_row: bool) -> bool:
+    """Whether this packed call's unwritten rows are set after its kernels (:func:`_set_unwritten_rows`), not filled first
+    (``every_row``: :func:`_writes_every_row`'s answer for the call)."""
+    return lengths.batch is not None and not every_row and q.numel() >= _PASS_AFTER_MIN_ELEMENTS
 
 
 def _set_unwritten_rows(graph, lengths: Lengths, query_fills: list, key_fills: tuple | list = ()) -> None:
@@ -82,10 +83,10 @@ def run_forward(plan, q, k, v, sinks, lengths: Lengths, need_lse: bool):
     """``(out, lse)`` of ``plan``'s forward (``lse`` None unless ``need_lse``); q/k/v are 16-byte aligned (:func:`aligned`)."""
     graph, folds = plan.forward, plan.folds_sinks
     seqlens_q = lengths.seqlens_q
-    padded, packed = seqlens_q is not None, lengths.cu_seqlens_q is not None
+    padded, packed = seqlens_q is not None, lengths.batch is not None
     every_row = _writes_every_row(graph, lengths)
     # The fold writes every row, absent ones as zero and -inf: a packed out and LSE need no fill then.
-    set_after = _rows_set_after(graph, q, lengths) and not folds
+    set_after = _rows_set_after(q, lengths, every_row) and not folds
     out, lse = allocate_forward_outputs(
         q,
         v,
@@ -130,9 +131,10 @@ def run_backward(graph, grad_out, q, k, v, out, lse, sinks, lengths: Lengths, gr
     gradient is one launch of ``graph``; the LSE's is one more launch of the same graph on stand-in
     operands (:func:`~cudnn_attention.lse_gradient.lse_gradient_operands`), whose dQ and dK are exactly the LSE's share."""
     invalid_B1S1 = None if lengths.seqlens_q is None else padding_rows(lengths.seqlens_q, q.shape[2])
-    packed = lengths.cu_seqlens_q is not None
-    set_after = _rows_set_after(graph, q, lengths)
-    zero_tails = not (_writes_every_row(graph, lengths) or set_after)
+    packed = lengths.batch is not None
+    every_row = _writes_every_row(graph, lengths)
+    set_after = _rows_set_after(q, lengths, every_row)
+    zero_tails = not (every_row or set_after)
     index_operands = length_operands(graph, lengths, q.device)
     dq = dk = dv = dsinks = None
     if grad_out is not None:
