@@ -39,6 +39,7 @@ from .tolerance import within_lowp_noise
 
 __all__ = [
     "NO_GPU",
+    "MEASURED_SPEED",
     "Check",
     "Report",
     "build_report",
@@ -61,10 +62,16 @@ def known_issues(cudnn_version: int | None) -> list[str]:
     return [f"{erratum.key}: {erratum.line()}" for erratum in errata.applying(cudnn_version)]
 
 
+# Newer cuDNN versions as this project measured them against the one before (the kernel table, H200, bf16), so an upgrade
+# is weighed by what it fixes and what it costs: (backend version, what was measured).
+MEASURED_SPEED = ((92700, "9.27.0: fwd+bwd 0.80-1.02x 9.19's (slower at short shapes; docs/decisions/0015)"),)
+
+
 def newer_cudnn_advice(cudnn_version: int | None, torch_cuda: str | None) -> list[str]:
-    """Lines naming the errata of this cuDNN version that a newer cuDNN fixes, and the command that installs it for this
-    torch's CUDA (empty when none is fixed, or the version is unknown). This package works around each of them on the
-    loaded version; upgrading removes the workaround's cost, not a wrong result."""
+    """Lines naming the errata of this cuDNN version that a newer cuDNN fixes, how the newer versions measured on an
+    H200, and the command that installs one for this torch's CUDA (empty when none is fixed, or the version is unknown).
+    This package works around each of them on the loaded version; upgrading removes the workaround's cost, not a wrong
+    result."""
     if cudnn_version is None:
         return []
     fixed = [e for e in errata.applying(cudnn_version) if e.fixed is not None and e.affects is not None]
@@ -73,6 +80,8 @@ def newer_cudnn_advice(cudnn_version: int | None, torch_cuda: str | None) -> lis
     newest = max(e.fixed for e in fixed)
     cuda_major = (torch_cuda or "13").split(".")[0]
     lines = [f"fixed in cuDNN {errata.version_text(e.fixed)} (upstream; worked around here): {e.key}" for e in fixed]
+    measured = [text for version, text in MEASURED_SPEED if version > cudnn_version]
+    lines.append("speed on an H200: " + "; ".join([*measured, "later versions not measured here"]))
     lines += [
         f"to load a newer cuDNN with this torch: pip install -U 'nvidia-cudnn-cu{cuda_major}>={errata.version_text(newest)}'",
         "  pip will answer that torch requires the nvidia-cudnn version it pins ('... which is incompatible'); torch and the "

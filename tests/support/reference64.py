@@ -341,6 +341,29 @@ def implied_dsinks_error(out_got, out_ref, lse_ref, grad_out, sinks) -> float:
     return (with_got - exact).abs().max().item()
 
 
+def dsinks_error_sources(out_got, lse_got, out_ref, lse_ref, grad_out, sinks) -> dict:
+    """Where a dSink error comes from, for a failure's message and the GPU grid's table (never a bound).
+
+    dSink is ``-sum_rows exp(sink - lse) * rowsum(dO * O)``: its error is the O term's plus the LSE term's, and a
+    systematic error survives the sum over rows where rounding cancels. Returns ``{"by_out", "by_lse", "out_scale",
+    "lse_shift"}``: the dSink error of the exact identity fed the kernel's O with the exact LSE, then the exact O with the
+    kernel's LSE (None when the call returned no LSE); the mean over rows of ``<O, O_ref> / <O_ref, O_ref> - 1`` (a
+    scale bias of O); and the mean ``lse - lse_ref`` over finite rows (a shift of the LSE)."""
+    sinks64 = sinks.detach().double()
+    exact = flash_style_dsinks(out_ref, lse_ref, grad_out, sinks64, torch.float64)
+    sources = {"by_out": implied_dsinks_error(out_got, out_ref, lse_ref, grad_out, sinks), "by_lse": None, "lse_shift": None}
+    if lse_got is not None and tuple(lse_got.shape) == tuple(lse_ref.shape):
+        with_lse = flash_style_dsinks(out_ref, lse_got.detach().double(), grad_out, sinks64, torch.float64)
+        sources["by_lse"] = (with_lse - exact).abs().max().item()
+        finite = torch.isfinite(lse_ref.detach()) & torch.isfinite(lse_got.detach())
+        sources["lse_shift"] = (lse_got.detach().double() - lse_ref.detach())[finite].mean().item() if finite.any() else 0.0
+    got, ref = out_got.detach().double(), out_ref.detach().double()
+    norm = (ref * ref).sum(-1)
+    rows = norm > 0
+    sources["out_scale"] = ((got * ref).sum(-1)[rows] / norm[rows] - 1).mean().item() if rows.any() else 0.0
+    return sources
+
+
 def implied_qk_errors(out_got, out_ref, lse_ref, grad_out, leaves64: dict, names: list) -> dict:
     """The dQ and dK errors an exact backward would still show, given the kernel's own output.
 
@@ -447,7 +470,14 @@ def evaluate_call(
         # dSink gets FlashAttention's rule as it is: no allowance for the error the kernel's own O carries (FlashAttention 4,
         # which also reduces dSink from its O, meets it). dQ and dK keep theirs (see implied_qk_errors).
         implied = implied_qk.get(name, 0.0)
-        checks.append(compare_tensors(name, got[name], want, base, floor_rel=floor_rel, magnitude=magnitude, flash=flash, implied=implied))
+        check = compare_tensors(name, got[name], want, base, floor_rel=floor_rel, magnitude=magnitude, flash=flash, implied=implied)
+        if name == "dsinks" and not check["ok"] and grad_lse is None:
+            sources = dsinks_error_sources(got["out"], got["lse"], ref["out"], ref["lse"], grad_out, sinks)
+            by_lse = "not returned" if sources["by_lse"] is None else f"{sources['by_lse']:.3g} (mean shift {sources['lse_shift']:.2e})"
+            check["why"] += (
+                f"; from the kernel's O {sources['by_out']:.3g} (O's mean scale bias {sources['out_scale']:.2e}), from its LSE {by_lse}"
+            )
+        checks.append(check)
     # Structurally zero rows must be exactly zero: rows that see no key (out, dq), keys no row sees (dk, dv).
     row_dim = 0 if api != "dense" else 2
     for name, mask_name in (("out", "zero_q"), ("dq", "zero_q"), ("dk", "zero_kv"), ("dv", "zero_kv")):
