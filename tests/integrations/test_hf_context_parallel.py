@@ -3,7 +3,8 @@ models on 2 gloo processes against one process, the batch helper, and what the `
 
 The two-process cases run once for the module (``support.cp_launch.run_suite("hf", 2)``, ``support.cp_hf_cases``): the
 loss averaged over the group and every parameter's gradient averaged over it (``average_gradients``) equal the
-single-process step's within float32 rounding.
+single-process step's within float32 rounding. On 4 processes, a (dp, cp) mesh of 2 x 2 with DDP or FSDP2 over every rank
+gives the data-parallel step's gradient (``run_suite("hf_mesh", 4)``).
 """
 
 from __future__ import annotations
@@ -36,6 +37,20 @@ def test_loss_and_gradients_with_two_ranks_equal_one_process(results, case):
                 f"rank {rank}: {quantity} off by {error:.3g} (|ref| {magnitude:.3g}, {result['worst']})"
             )
         assert result["sinks_trained"] == case.startswith("gpt_oss")  # the sinks' gradients are among those compared
+
+
+@pytest.fixture(scope="module")
+def mesh_results():
+    return run_suite("hf_mesh", 4)
+
+
+@pytest.mark.parametrize("case", ["mistral-ddp", "mistral-fsdp2", "gpt_oss-ddp", "gpt_oss-fsdp2"])
+def test_ddp_and_fsdp2_over_a_dp_by_cp_mesh_give_the_data_parallel_gradient(mesh_results, case):
+    # 2 dp rows x 2 cp ranks, each dp row its own batch; DDP or FSDP2 over all four ranks averages every gradient.
+    for rank, result in enumerate(mesh_results[case]):
+        error, magnitude = result["grads"]
+        assert error <= TOLERANCE * max(magnitude, 1.0), f"rank {rank}: {result['worst']} off by {error:.3g} (|ref| {magnitude:.3g})"
+        assert result["compared"] >= 21  # every parameter of the model, the sinks among them for gpt-oss
 
 
 def test_the_lightning_helper_takes_the_tensor_parallel_row_of_model_parallel_strategys_mesh(results):

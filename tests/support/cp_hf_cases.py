@@ -110,3 +110,52 @@ def run_hf_suite(rank: int, world_size: int) -> dict:
     results = {name: run_hf_case(model, kind, rank, world_size) for name, (model, kind) in HF_CASES.items()}
     results["lightning_mesh"] = run_lightning_mesh_case(rank, world_size)
     return results
+
+
+# Data parallelism beside context parallelism: a (dp, cp) mesh of 2 x N/2 ranks, each dp row its own packed batch, the
+# gradient averaged by DDP or FSDP2 over every rank (the README's recipe: the context-parallel ranks are part of the
+# data-parallel group). The reference is one process's step on the mean of the dp rows' losses.
+MESH_LENGTHS = ((7, 13, 3, 9, 6), (11, 4, 15, 8))
+
+
+def _wrapped(wrapper: str, model):
+    if wrapper == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(model, find_unused_parameters=True)  # experts a row's tokens never reach
+    from torch.distributed.fsdp import fully_shard
+
+    return fully_shard(model)  # one dimension over every rank: dp x cp flattened
+
+
+def run_hf_mesh_case(model_name: str, wrapper: str, rank: int, world_size: int) -> dict:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("dp", "cp"))
+    batches = [packed_batch(documents(lengths, seed=seed), with_labels=True) for seed, lengths in enumerate(MESH_LENGTHS)]
+    model = build(model_name, attn_implementation="cudnn").train()
+    (sum(model(**batch).loss for batch in batches) / len(batches)).backward()
+    reference = {name: p.grad.clone() for name, p in model.named_parameters()}
+
+    model = build(model_name, attn_implementation="cudnn").train()  # the same seeded weights, no gradient yet
+    wrapped = _wrapped(wrapper, model)
+    cp_group = mesh.get_group("cp")
+    local = shard_batch_for_context_parallel(batches[mesh.get_local_rank("dp")], group=cp_group)
+    with context_parallel.over(cp_group):
+        wrapped(**local).loss.backward()
+    errors = {}
+    for name, p in model.named_parameters():
+        grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad  # FSDP2 keeps each rank's shard
+        errors[name] = (grad - reference[name]).abs().max().item()
+    worst = max(errors, key=errors.get)
+    dist.barrier()
+    return {"grads": [errors[worst], reference[worst].abs().max().item()], "worst": worst, "compared": len(errors)}
+
+
+def run_hf_mesh_suite(rank: int, world_size: int) -> dict:
+    return {
+        f"{model_name}-{wrapper}": run_hf_mesh_case(model_name, wrapper, rank, world_size)
+        for model_name in ("mistral", "gpt_oss")
+        for wrapper in ("ddp", "fsdp2")
+    }

@@ -21,6 +21,7 @@ from pathlib import Path
 SUITES = {
     "core": "support.cp_cases:run_core_suite",
     "hf": "support.cp_hf_cases:run_hf_suite",
+    "hf_mesh": "support.cp_hf_cases:run_hf_mesh_suite",
 }
 COLLECTIVE_TIMEOUT_S = 60
 
