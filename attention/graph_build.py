@@ -26,7 +26,7 @@ class GraphRejected(RuntimeError):
 class _UID:
     Q, K, V, SINKS, SEQ_Q, SEQ_KV = 1, 2, 3, 4, 5, 6
     OUT, STATS = 100, 101
-    DO, DQ, DK, DV = 200, 201, 202, 203
+    DO, DQ, DK, DV, DSINKS = 200, 201, 202, 203, 204
     FIRST_RAGGED = 300
 
 
@@ -248,9 +248,17 @@ def _forward_nodes(nodes: _Nodes, q, k, v, mask_args: dict) -> list:
 
 
 def _backward_nodes(nodes: _Nodes, q, k, v, mask_args: dict) -> list:
-    """The backward node (dQ, dK, dV from O, dO and the LSE); returns the operand uids in call order."""
+    """The backward node (dQ, dK, dV from O, dO and the LSE; with ``spec.sinks`` the sinks in and dSink out, after dV in
+    the operands); returns the operand uids in call order."""
     spec, cudnn = nodes.spec, nodes.cudnn
     B, H, H_kv, S_q, S_kv = spec.batch, spec.heads_q, spec.heads_kv, spec.seq_q, spec.seq_kv
+    sink_args, sink_uids = {}, []
+    if spec.sinks:
+        per_head = ((1, H, 1, 1), (H, 1, 1, 1))
+        sinks = nodes.tensor("sinks", _UID.SINKS, *per_head, data_type=cudnn.data_type.FLOAT)
+        dsinks = nodes.tensor("dsinks", _UID.DSINKS, *per_head, data_type=cudnn.data_type.FLOAT)
+        nodes.output(dsinks, _UID.DSINKS, *per_head, data_type=cudnn.data_type.FLOAT)
+        sink_args, sink_uids = {"sink_token": sinks, "dSink_token": dsinks}, [_UID.SINKS, _UID.DSINKS]
     o = nodes.tensor("o", _UID.OUT, nodes.o_dims, spec.o_strides)
     d_o = nodes.tensor("dO", _UID.DO, nodes.o_dims, spec.o_strides)
     stats = nodes.tensor("stats", _UID.STATS, nodes.stats_dims, nodes.stats_strides, data_type=cudnn.data_type.FLOAT)
@@ -270,6 +278,7 @@ def _backward_nodes(nodes: _Nodes, q, k, v, mask_args: dict) -> list:
         use_deterministic_algorithm=spec.deterministic,
         **mask_args,
         **extra,
+        **sink_args,
         **_implementation(cudnn, spec),
     )
     dq_strides, dk_strides, dv_strides = spec.grad_strides
@@ -280,4 +289,4 @@ def _backward_nodes(nodes: _Nodes, q, k, v, mask_args: dict) -> list:
     ):
         nodes.output(grad, uid, dims, strides)
         nodes.set_ragged(grad, side, strides[2])
-    return [_UID.Q, _UID.K, _UID.V, _UID.OUT, _UID.DO, _UID.STATS, _UID.DQ, _UID.DK, _UID.DV]
+    return [_UID.Q, _UID.K, _UID.V, _UID.OUT, _UID.DO, _UID.STATS, _UID.DQ, _UID.DK, _UID.DV, *sink_uids]

@@ -42,7 +42,10 @@ class GraphSpec(NamedTuple):
     scale: float
     mask: MaskSpec
     grad_strides: tuple = ()  # (dq, dk, dv) strides in the backward
-    sinks: bool = False  # forward only: the backward gets dSink from an identity, not from the graph
+    # The graph holds the sinks. Forward: cuDNN's sink engine. Backward: the graph also writes dSink (the frontend's
+    # dSink_token); calls never build one (their dSink comes from an identity after the sink-less backward), only
+    # benchmarks/sink_backward.py does, to measure it against that identity.
+    sinks: bool = False
     padded: bool = False
     packed: bool = False
     need_lse: bool = False

@@ -76,6 +76,17 @@ def test_the_packed_backward_at_d256_with_another_dv_is_refused_on_every_version
         assert _key(spec, version) == "packed-d256-other-dv-backward"
 
 
+def test_a_packed_backward_holding_the_sinks_is_refused_before_9_26_and_no_call_builds_one():
+    # TransformerEngine#3249: wrong dSink / out-of-bounds statistics. Only benchmarks/sink_backward.py asks for such a graph.
+    spec = _backward(packed=True, sinks=True, seq_q=256, seq_kv=256)
+    assert _key(spec, V919) == "packed-sinks-backward-stats" and errata.matching(spec, V919).action == errata.REFUSE
+    assert _key(spec, V926) is None and _key(spec._replace(packed=False), V919) is None
+    call = AttentionCall(packed=True, max_seqlen_q=256, max_seqlen_kv=256, scale=0.125, mask=CAUSAL, need_lse=True, has_sinks=True)
+    q = k = v = torch.empty(512, 2, 64, dtype=torch.bfloat16)
+    assert not spec_for("backward", call, q, k, v, deterministic=False).sinks
+    assert spec_for("forward", call, q, k, v, deterministic=False).sinks
+
+
 def _dense_call(S_q, S_kv, mask, *, padded=False):
     q = torch.empty(2, 4, S_q, 64, dtype=torch.bfloat16)
     k = v = torch.empty(2, 2, S_kv, 64, dtype=torch.bfloat16)

@@ -110,6 +110,17 @@ def test_a_rerouted_backward_is_the_padded_graph_with_its_lengths_last(build):
     assert compiled.full_lengths == (1, 576, 576)
 
 
+def test_a_backward_holding_the_sinks_writes_dsink_after_dv(build):
+    # Never a call's graph (its dSink comes from an identity): what benchmarks/sink_backward.py builds to measure cuDNN's own.
+    compiled, kind, kwargs = build(direction="backward", mask=MaskSpec(-1, 0), sinks=True, grad_strides=((1,) * 4,) * 3)
+    assert kind == "sdpa_backward" and kwargs["sink_token"].attributes["uid"] == 4
+    dsinks = kwargs["dSink_token"].attributes
+    assert dsinks["uid"] == 204 and dsinks["dim"] == [1, 2, 1, 1] and dsinks["data_type"] == "FLOAT"
+    assert compiled.uids == (1, 2, 3, 100, 200, 101, 201, 202, 203, 4, 204)
+    _, _, without = build(direction="backward", mask=MaskSpec(-1, 0), grad_strides=((1,) * 4,) * 3)
+    assert "sink_token" not in without and "dSink_token" not in without
+
+
 def test_a_packed_forward_shares_ragged_columns_and_an_implementation_family(build):
     strides = (64 * 2 * 64, 64, 2 * 64, 1)
     compiled, _, kwargs = build(

@@ -1,0 +1,149 @@
+"""cuDNN's own dSink (the frontend's ``dSink_token``) against the identity cudnn_attention serves, on the graphs it serves.
+
+    python3 benchmarks/sink_backward.py [--out benchmarks/results]
+
+cudnn_attention's backward graph never holds the sinks: dSink comes after it from ``-sum_rows exp(sink - lse) * rowsum(dO * O)``
+(``fused_sinks.sink_gradient``, one more pass over O and dO: 61 us of a 1.39 ms packed gpt-oss step on cuDNN 9.19). cuDNN
+can compute the same inside its backward, whose dO.O pass reads both anyway. For each case one forward and backward runs
+through cudnn_attention while its launches are recorded; the same backward graph is then built holding the sinks
+(``spec._replace(sinks=True)``: sinks in, dSink out) and launched on the same operands. Columns: dSink's largest error
+against float64 each way (cuDNN's with either sign: the frontend's composite form sums ``exp(sink - stats) * D`` without
+a minus), the flash-style noise (exact O rounded to bf16: FlashAttention's rule allows twice it), whether dQ/dK/dV stay
+bit-identical, and the time of the backward as served (the launch plus the pass) against the one launch. Accuracy runs at
+a quarter of each case's length (the float64 reference holds every score); timing at the full length. A graph the loaded
+cuDNN refuses (TransformerEngine#3249: packed, before 9.26) or rejects says so in its row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+
+import torch
+
+if not torch.cuda.is_available():
+    raise SystemExit("benchmarks/sink_backward.py launches cuDNN graphs and needs a CUDA GPU; none is visible here.")
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))  # the tests' float64 reference: `support.reference64`
+
+from engine_plans import recorded_launches  # noqa: E402
+
+import cudnn_attention  # noqa: E402
+from attention_kernels import CASES, Case, cuda_time_ms, make_inputs  # noqa: E402 (this folder is on sys.path when run)
+from cudnn_attention import errata, graph_build, launch  # noqa: E402
+from cudnn_attention.environment import versions  # noqa: E402
+from cudnn_attention.frontend import cudnn_version  # noqa: E402
+from cudnn_attention.fused_sinks import sink_gradient  # noqa: E402
+from support.reference64 import flash_style_dsinks, reference_attention, reference_varlen_attention  # noqa: E402
+
+BY_NAME = {case.name: case for case in CASES}
+SELECTED = [
+    BY_NAME["packed gpt-oss 8 x 2048 window 128 sinks"],
+    BY_NAME["packed gpt-oss 8 x 2048 sinks"],
+    Case("dense gpt-oss B=2 S=4096 window 128 sinks bshd", 64, 8, 64, [4096] * 2, False, left=128, sinks=True),
+    Case("dense gpt-oss B=2 S=4096 sinks bshd", 64, 8, 64, [4096] * 2, False, sinks=True),
+]
+
+
+def _call(case: Case, q, k, v, sinks, cu):
+    window = (case.left, 0)
+    if case.packed:
+        longest = max(case.doc_lengths)
+        return cudnn_attention.varlen_attention(q, k, v, cu, cu, longest, longest, causal=True, window_size=window, sinks=sinks)
+    return cudnn_attention.attention(q, k, v, causal=True, window_size=window, sinks=sinks)
+
+
+def served_backward(case: Case, seed: int = 0):
+    """``(graph, operands, inputs, grad_out)`` of the backward launch one served step makes."""
+    q, k, v, sinks, cu = inputs = make_inputs(case, seed)
+    with recorded_launches() as launches:
+        out = _call(case, q, k, v, sinks, cu)
+        grad_out = torch.randn_like(out)
+        out.backward(grad_out)
+    ((graph, operands),) = [(g, ops) for g, ops in launches if g.spec.direction == "backward"]
+    return graph, operands, inputs, grad_out
+
+
+def with_sinks(graph, operands: list, sinks):
+    """The same backward built holding the sinks, and its operands (fresh dQ/dK/dV, the sinks, a dSink buffer)."""
+    variant = graph_build.build(graph.spec._replace(sinks=True))
+    grads = [torch.empty_like(t) for t in operands[6:9]]
+    dsinks = torch.empty(sinks.shape[0], device="cuda", dtype=torch.float32)
+    return variant, [*operands[:6], *grads, sinks.detach().contiguous(), dsinks, *operands[9:]], dsinks
+
+
+def accuracy(case: Case) -> dict:
+    small = dataclasses.replace(case, doc_lengths=[n // 4 for n in case.doc_lengths], results={})
+    graph, operands, (q, k, v, sinks, cu), grad_out = served_backward(small)
+    variant, ops, dsinks = with_sinks(graph, operands, sinks)
+    launch.execute(variant, ops, graph.spec.device_index)
+    torch.cuda.synchronize()
+    sinks64 = sinks.detach().double().requires_grad_()
+    q64, k64, v64 = (t.detach().double() for t in (q, k, v))
+    window = (case.left, 0)
+    if case.packed:
+        out64, lse64 = reference_varlen_attention(q64, k64, v64, cu, cu, causal=True, window_size=window, sinks=sinks64, return_lse=True)
+    else:
+        out64, lse64 = reference_attention(q64, k64, v64, causal=True, window_size=window, sinks=sinks64, return_lse=True)
+    (ref,) = torch.autograd.grad(out64, sinks64, grad_out.double())
+    scale = ref.abs().max().item()
+    flash = flash_style_dsinks(out64, lse64, grad_out, sinks64.detach(), torch.bfloat16).double()
+    return {
+        "served": (sinks.grad.double() - ref).abs().max().item() / scale,
+        "cudnn": (dsinks.double() - ref).abs().max().item() / scale,
+        "cudnn negated": (-dsinks.double() - ref).abs().max().item() / scale,
+        "flash-style": (flash - ref).abs().max().item() / scale,
+        "same dq/dk/dv": all(torch.equal(a, b) for a, b in zip(operands[6:9], ops[6:9])),
+    }
+
+
+def timing(case: Case) -> tuple[float, float]:
+    graph, operands, (_, _, _, sinks, _), grad_out = served_backward(case)
+    variant, ops, _ = with_sinks(graph, operands, sinks)
+    index = graph.spec.device_index
+    out, lse = operands[3], operands[5]
+
+    def served():
+        launch.execute(graph, operands, index)
+        sink_gradient(operands[4], out, lse, sinks.detach())
+
+    return cuda_time_ms(served), cuda_time_ms(lambda: launch.execute(variant, ops, index))
+
+
+def main(argv=None) -> list[str]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, help="also write the table to OUT/sink_backward.md")
+    args = parser.parse_args(argv)
+    found = versions()
+    lines = [
+        f"dSink in cuDNN's backward against the served identity: torch {found['torch']}, cuDNN {errata.version_text(cudnn_version())} "
+        f"(frontend {found['cudnn_frontend']}), bf16, causal; errors relative to max|dSink| (a quarter of each length); "
+        "backward ms (median of 15 means of 10 launches)",
+        "",
+        "| case | served error | cuDNN's error | negated | flash-style | dQ/dK/dV identical | served ms (launch + pass) | cuDNN's ms "
+        "| ratio |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for case in SELECTED:
+        try:
+            error = accuracy(case)
+            served_ms, cudnn_ms = timing(case)
+        except Exception as exc:  # noqa: BLE001 - a refused or rejected graph is this case's answer
+            lines.append(f"| {case.name} | not built: {str(exc).splitlines()[0][:150]} ||||||||")
+            continue
+        lines.append(
+            f"| {case.name} | {error['served']:.2e} | {error['cudnn']:.2e} | {error['cudnn negated']:.2e} | {error['flash-style']:.2e} "
+            f"| {'yes' if error['same dq/dk/dv'] else 'no'} | {served_ms:.3f} | {cudnn_ms:.3f} | {served_ms / cudnn_ms:.2f}x |"
+        )
+    print("\n".join(lines))
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "sink_backward.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return lines
+
+
+if __name__ == "__main__":
+    main()
