@@ -58,23 +58,33 @@ def _packed(T=20, H=4, H_kv=2, D=64):
 # Packed maxima (the core and the transformers flash kwargs)
 # ----------------------------------------------------------------------------------------------
 
-MAXIMA = [
-    ((2**40, 13), r"max_seqlen_q = 1099511627776 exceeds the 20 packed tokens"),
-    ((13, 2**40), r"max_seqlen_kv = 1099511627776 exceeds the 20 packed tokens"),
-    ((21, 13), r"max_seqlen_q = 21 exceeds the 20 packed tokens"),
-    ((-1, 13), r"max_seqlen_q must be >= 0, got -1"),
-]
+MAXIMA = [((-1, 13), r"max_seqlen_q must be >= 0, got -1")]
+# FlashAttention's contract: a maximum is an upper bound (a static 4096 for a 20-token batch), served as if it were the
+# token count; only a value below the longest document (a device-side fact) or a negative one is wrong.
+UPPER_BOUNDS = [(2**40, 13), (13, 2**40), (21, 13)]
 
 
 @pytest.mark.parametrize("remembered", [False, True], ids=["fresh", "after a remembered call"])
 @pytest.mark.parametrize("maxima, message", MAXIMA, ids=[str(m) for m, _ in MAXIMA])
-def test_varlen_maxima_beyond_the_tokens_are_refused_on_the_host(maxima, message, remembered):
+def test_varlen_maxima_below_zero_are_refused_on_the_host(maxima, message, remembered):
     q, k, v, cu = _packed()
     if remembered:  # a served call's signature must not let one with other maxima skip the checks
         for _ in range(2):
             cudnn_attention.varlen_attention(q, k, v, cu, cu, 13, 13, causal=True)
     with host_only(), pytest.raises(ValueError, match=message):
         cudnn_attention.varlen_attention(q, k, v, cu, cu, *maxima, causal=True)
+
+
+@pytest.mark.parametrize("maxima", UPPER_BOUNDS, ids=[str(m) for m in UPPER_BOUNDS])
+def test_varlen_maxima_past_the_tokens_are_served_as_the_token_count(maxima):
+    q, k, v, cu = _packed()
+    clamped = cudnn_attention.varlen_attention(q, k, v, cu, cu, *(min(m, 20) for m in maxima), causal=True)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = cudnn_attention.varlen_attention(q, k, v, cu, cu, *maxima, causal=True)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(got, clamped)  # the same graph: keyed by the clamped value
 
 
 def _hf_packed_call(changes):
@@ -90,7 +100,6 @@ def _hf_packed_call(changes):
 
 
 FLASH_KWARGS = {  # built from the CUDA prefix sums at run time: the CPU suite collects this file too
-    "max_length_q=2**40": (lambda cu: dict(max_length_q=2**40), ValueError, r"max_length_q = 1099511627776 exceeds the 20 packed tokens"),
     "max_length_k=-1": (lambda cu: dict(max_length_k=-1), ValueError, r"max_length_k must be >= 0, got -1"),
     "max_length_k=None": (lambda cu: dict(max_length_k=None), ValueError, r"go together.* without max_length_k"),
     "cu_seq_lens_k on the host": (lambda cu: dict(cu_seq_lens_k=cu.cpu()), ValueError, r"cu_seq_lens_k must be on cuda:0 like q, got cpu"),
@@ -113,6 +122,11 @@ def test_flash_kwargs_are_refused_on_the_host(case):
     call = _hf_packed_call(changes)
     with host_only(), pytest.raises(error, match=message):
         call()
+
+
+def test_a_flash_kwargs_maximum_past_the_tokens_is_served_as_the_token_count():
+    got = _hf_packed_call(lambda cu: dict(max_length_q=2**40, max_length_k=2**40))()[0]
+    assert torch.equal(got, _hf_packed_call(lambda cu: dict(max_length_q=20, max_length_k=20))()[0])
 
 
 # ----------------------------------------------------------------------------------------------
