@@ -261,9 +261,8 @@ class ContextParallel:
                     if stop == start:  # e.g. nothing after the diagonal of the last chunk: that part adds nothing
                         continue
                     rows = _dense_rows(S, N, self.rank, mask.left, mask.right, start, stop, k_all.device)
-                    parts.append(
-                        api.attention(q_chunk, k_all.index_select(2, rows), v_all.index_select(2, rows), **_local_options(call, part))
-                    )
+                    k_part, v_part, padding = _at_least_as_many_keys(k_all.index_select(2, rows), v_all.index_select(2, rows), C)
+                    parts.append(api.attention(q_chunk, k_part, v_part, **padding, **_local_options(call, part)))
                 out, lse = parts[0] if len(parts) == 1 else merge_partials(*parts[0], *parts[1])
                 outs.append(out)
                 lses.append(lse)
@@ -345,6 +344,24 @@ def _note_call(gathered_rows: int, selected_rows: int) -> None:
     STATS["calls"] += 1
     STATS["gathered_key_rows"] = gathered_rows
     STATS["selected_key_rows"] = selected_rows
+
+
+def _at_least_as_many_keys(k_part: torch.Tensor, v_part: torch.Tensor, queries: int) -> tuple:
+    """``(k, v, options)`` for one dense per-rank call: cuDNN serves sliding windows only with at least as many keys as
+    queries (9.19: "Sliding window attention is only supported with max_s_q <= max_s_kv"), which the part after the
+    diagonal of a row's last chunk lacks (``C - 1`` keys for ``C`` queries). Such keys are padded to ``queries`` rows
+    and the padding is masked by ``seqlens_kv`` (``options``): the same result, on cuDNN."""
+    keys = k_part.shape[2]
+    if keys >= queries:
+        return k_part, v_part, {}
+    pad = (0, 0, 0, queries - keys)
+    lengths = _key_lengths(k_part.shape[0], keys, k_part.device)
+    return torch.nn.functional.pad(k_part, pad), torch.nn.functional.pad(v_part, pad), {"seqlens_kv": lengths}
+
+
+@functools.lru_cache(maxsize=16)
+def _key_lengths(batch: int, keys: int, device) -> torch.Tensor:
+    return torch.full((batch,), keys, dtype=torch.int32, device=device)  # made once per shape: no allocation per call
 
 
 def _local_options(call, part) -> dict:
