@@ -14,7 +14,7 @@ def test_the_sweep_reports_what_is_not_finite_and_fails_on_a_kind_broken_as_serv
         assert {case[0] for case in cases} == {"dense"} and len(cases) == 6, cases
         assert all(errata_sweep.non_finite(*case, reroute=True, device="cpu") == ("-", False) for case in cases)
         kinds = {case[:2] for case in errata_sweep.cases(quick=True)}
-        assert {layout for layout, _ in kinds} == {"dense", "padded", "packed"} and len(kinds) == 15, kinds
+        assert {layout for layout, _ in kinds} == {"dense", "padded", "packed"} and len(kinds) == 18, kinds
 
         attention = cudnn_attention.attention
 
