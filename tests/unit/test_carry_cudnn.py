@@ -5,8 +5,10 @@ hand, see docs/decisions/0015.)"""
 import hashlib
 import io
 import lzma
+import os
 import shutil
 import subprocess
+import sys
 import tarfile
 from pathlib import Path
 
@@ -45,7 +47,7 @@ def _parts(folder: Path, *, count: int, corrupt: bool = False) -> list[Path]:
 
 
 def _run(script: Path, command: str, store: Path) -> subprocess.CompletedProcess:
-    env = {"PATH": "/usr/bin:/bin", "CUDNN_CARRY_STORE": str(store), "PYTHON": "python3"}
+    env = {**os.environ, "CUDNN_CARRY_STORE": str(store), "PYTHON": sys.executable}
     return subprocess.run(["bash", str(script), command], capture_output=True, text=True, env=env, timeout=60)
 
 
