@@ -325,42 +325,34 @@ def flash_style_dsinks(out_ref, lse_ref, grad_out, sinks, low_dtype, grad_lse=No
     return (-(weight * row_dot).sum(reduce_dims)).to(sinks.dtype)
 
 
-def implied_dsinks_error(out_got, out_ref, lse_ref, grad_out, sinks) -> float:
-    """The dSink error an exact reduction would still show, given the kernel's own output (reported beside the error, not
-    added to its bound: dSink is held to FlashAttention's rule as it is).
-
-    dSink is linear in O (``-sum_rows exp(sink - lse) * rowsum(dO * O)``), so the output's error,
-    which the ``out`` check judges on its own, moves dSink by exactly this much; a fused kernel reads
-    its own O (it cannot read a better one). In small bf16 problems this exceeds twice the rounding
-    of an exact O, while the reduction itself is exact to float32 (see
-    ``test_gpu_reliability.py::test_dsink_error_over_a_grid``)."""
-    if out_got is None or tuple(out_got.shape) != tuple(out_ref.shape):
-        return 0.0
-    with_got = flash_style_dsinks(out_got.detach(), lse_ref, grad_out, sinks.detach().double(), torch.float64)
-    exact = flash_style_dsinks(out_ref, lse_ref, grad_out, sinks.detach().double(), torch.float64)
-    return (with_got - exact).abs().max().item()
-
-
 def dsinks_error_sources(out_got, lse_got, out_ref, lse_ref, grad_out, sinks) -> dict:
-    """Where a dSink error comes from, for a failure's message and the GPU grid's table (never a bound).
+    """Where a dSink error comes from, for a failure's message and the GPU grid's table (never a bound: dSink is held to
+    FlashAttention's rule as it is).
 
     dSink is ``-sum_rows exp(sink - lse) * rowsum(dO * O)``: its error is the O term's plus the LSE term's, and a
-    systematic error survives the sum over rows where rounding cancels. Returns ``{"by_out", "by_lse", "out_scale",
-    "lse_shift"}``: the dSink error of the exact identity fed the kernel's O with the exact LSE, then the exact O with the
-    kernel's LSE (None when the call returned no LSE); the mean over rows of ``<O, O_ref> / <O_ref, O_ref> - 1`` (a
-    scale bias of O); and the mean ``lse - lse_ref`` over finite rows (a shift of the LSE)."""
+    systematic error survives the sum over rows where rounding cancels. A fused kernel reads its own O (it cannot read a
+    better one), so the output's error, which the ``out`` check judges on its own, moves dSink by ``by_out`` however exact
+    the reduction. Returns ``{"by_out", "by_lse", "out_scale", "lse_shift"}``: the dSink error of the exact identity fed
+    the kernel's O with the exact LSE, then the exact O with the kernel's LSE; the mean over rows of
+    ``<O, O_ref> / <O_ref, O_ref> - 1`` (a scale bias of O); and the mean ``lse - lse_ref`` over finite rows (a shift of
+    the LSE). The O terms are 0.0 when O's shape is not the reference's, the LSE ones None when the call returned none."""
     sinks64 = sinks.detach().double()
+
+    def error(out, lse) -> float:
+        return (flash_style_dsinks(out, lse, grad_out, sinks64, torch.float64) - exact).abs().max().item()
+
     exact = flash_style_dsinks(out_ref, lse_ref, grad_out, sinks64, torch.float64)
-    sources = {"by_out": implied_dsinks_error(out_got, out_ref, lse_ref, grad_out, sinks), "by_lse": None, "lse_shift": None}
+    sources = {"by_out": 0.0, "out_scale": 0.0, "by_lse": None, "lse_shift": None}
+    if out_got is not None and tuple(out_got.shape) == tuple(out_ref.shape):
+        sources["by_out"] = error(out_got.detach(), lse_ref)
+        got, ref = out_got.detach().double(), out_ref.detach().double()
+        norm = (ref * ref).sum(-1)
+        rows = norm > 0
+        sources["out_scale"] = ((got * ref).sum(-1)[rows] / norm[rows] - 1).mean().item() if rows.any() else 0.0
     if lse_got is not None and tuple(lse_got.shape) == tuple(lse_ref.shape):
-        with_lse = flash_style_dsinks(out_ref, lse_got.detach().double(), grad_out, sinks64, torch.float64)
-        sources["by_lse"] = (with_lse - exact).abs().max().item()
+        sources["by_lse"] = error(out_ref, lse_got.detach().double())
         finite = torch.isfinite(lse_ref.detach()) & torch.isfinite(lse_got.detach())
         sources["lse_shift"] = (lse_got.detach().double() - lse_ref.detach())[finite].mean().item() if finite.any() else 0.0
-    got, ref = out_got.detach().double(), out_ref.detach().double()
-    norm = (ref * ref).sum(-1)
-    rows = norm > 0
-    sources["out_scale"] = ((got * ref).sum(-1)[rows] / norm[rows] - 1).mean().item() if rows.any() else 0.0
     return sources
 
 
