@@ -106,7 +106,8 @@ link_siblings() {
   # The engines find NVRTC and cuBLAS through their RUNPATH ($ORIGIN/../../cu13/lib, ../../cublas/lib): point those
   # folders at torch's own, so nothing of the CUDA toolkit is carried or mixed.
   local torch_nvidia sibling
-  if ! torch_nvidia=$("$PY" -c "import nvidia; print(list(nvidia.__path__)[0])" 2> /dev/null); then
+  # the first nvidia folder that is not the store's own (with `env` sourced the store's comes first on sys.path)
+  if ! torch_nvidia=$("$PY" -c "import nvidia, os, sys; print([p for p in nvidia.__path__ if not os.path.realpath(p).startswith(os.path.realpath(sys.argv[1]))][0])" "$STORE" 2> /dev/null); then
     say "no nvidia packages beside torch here (a CPU build?): the engines will look for NVRTC on the loader's path"
     return 0
   fi
@@ -120,6 +121,11 @@ env_line() {
   local lib=$STORE/site/nvidia/cudnn/lib
   [ -f "$lib/libcudnn_graph.so.9" ] || { say "nothing unpacked in $lib: receive every part first (on this warm machine)"; return 1; }
   echo "export LD_LIBRARY_PATH=$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  # `import torch` also maps the first nvidia/cudnn/lib/libcudnn.so.* it finds along sys.path, by its path
+  # (torch/__init__.py, _preload_cuda_deps): the store's site first makes that the carried file too. Without it the
+  # H200 (2026-12-05) had torch's own libcudnn.so.9 mapped beside the carried one, unused (torch and the frontend both
+  # reported 92801, every engine library was the carried one), and `check` refused the process.
+  echo "export PYTHONPATH=$STORE/site${PYTHONPATH:+:$PYTHONPATH}"
   echo "export CUDNN_CARRIED=$(field version "$STORE/manifest")"
 }
 

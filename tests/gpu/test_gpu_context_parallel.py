@@ -4,11 +4,14 @@ model against what one simulated rank allocates.
 
 The tolerance rule (``support/tolerances.py``): out, LSE and every gradient of the split within twice PyTorch's own bf16
 error against the float64 reference (``support.reference64``), plus 1e-3 of the reference's magnitude; and within the
-same bound of the unsplit cuDNN call. Written in the session that built context parallelism, which had no GPU: not run
-yet (issue 43 runs it first).
+same bound, plus one step of the result dtype's grid, of the unsplit cuDNN call. On the H200 (cuDNN 9.19, 2026-12-05)
+28 of 29 passed before that step was allowed: dense right-only window N=4 dK was 0.0625 from the unsplit call (bound
+0.0623) while within the bound of the float64 truth.
 """
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -91,11 +94,24 @@ def test_simulated_split_matches_the_unsplit_cudnn_call_within_the_tolerance_rul
     ):
         finite = torch.isfinite(ref)
         assert torch.equal(torch.isfinite(got), finite), f"{name}: -inf rows differ"
+        dtype = got.dtype
         ref, got, unsplit, lowp = (torch.where(finite, t.double(), 0) for t in (ref, got, unsplit, lowp))
-        bound = noise_bound((lowp - ref).abs().max().item(), ref.abs().max().item())
-        for against, value in (("float64 reference", ref), ("unsplit cuDNN call", unsplit)):
+        magnitude = ref.abs().max().item()
+        bound = noise_bound((lowp - ref).abs().max().item(), magnitude)
+        # Both calls round their result to its dtype, so two results each within the rule can sit one step of that
+        # dtype's grid apart at the largest magnitude (seen on the H200: dK 0.0625 apart, one bf16 step in [8, 16), against
+        # a bound of 0.0623, while both were within it of the float64 truth).
+        step = _grid_step(dtype, magnitude)
+        for against, value, allowed in (("float64 reference", ref, bound), ("unsplit cuDNN call", unsplit, bound + step)):
             error = (got - value).abs().max().item()
-            assert error <= bound, f"{api} {mask} N={N} {name}: split vs {against} {error:.3g} > bound {bound:.3g}"
+            assert error <= allowed, f"{api} {mask} N={N} {name}: split vs {against} {error:.3g} > bound {allowed:.3g}"
+
+
+def _grid_step(dtype: torch.dtype, magnitude: float) -> float:
+    """The spacing of ``dtype``'s values at ``magnitude``: one rounding step of a result stored in that dtype."""
+    if magnitude == 0:
+        return 0.0
+    return torch.finfo(dtype).eps * 2.0 ** math.floor(math.log2(magnitude))
 
 
 def test_one_simulated_ranks_forward_allocates_what_the_memory_model_says():

@@ -64,6 +64,8 @@ def test_the_last_part_unpacks_every_library(tmp_path):
     assert {p.name: p.read_bytes() for p in lib.iterdir()} == LIBRARIES
     env = _run(SCRIPT, "env", store)
     assert env.returncode == 0 and f"export LD_LIBRARY_PATH={lib}" in env.stdout and "CUDNN_CARRIED=9.28.1.4" in env.stdout
+    # torch's own preload (the first nvidia/cudnn/lib along sys.path) must find the carried file, not torch's
+    assert f"export PYTHONPATH={store / 'site'}" in env.stdout, env.stdout
 
 
 def test_parts_that_do_not_add_up_are_refused(tmp_path):

@@ -15,6 +15,9 @@ def test_the_sweep_reports_what_is_not_finite_and_fails_on_a_kind_broken_as_serv
         assert all(errata_sweep.non_finite(*case, reroute=True, device="cpu") == ("-", False) for case in cases)
         kinds = {case[:2] for case in errata_sweep.cases(quick=True)}
         assert {layout for layout, _ in kinds} == {"dense", "padded", "packed"} and len(kinds) == 18, kinds
+        # --mask: that mask's kinds of the first group only (3 layouts x sinks x D x heads x 3 key lengths)
+        band = list(errata_sweep._first_group(errata_sweep.cases(True, ("band over every key",))))
+        assert {case[1] for case in band} == {"band over every key"} and len(band) == 72, band
 
         attention = cudnn_attention.attention
 
