@@ -64,7 +64,10 @@ def known_issues(cudnn_version: int | None) -> list[str]:
 
 # Newer cuDNN versions as this project measured them against the one before (the kernel table, H200, bf16), so an upgrade
 # is weighed by what it fixes and what it costs: (backend version, what was measured).
-MEASURED_SPEED = ((92700, "9.27.0: fwd+bwd 0.80-1.02x 9.19's (slower at short shapes; docs/decisions/0015)"),)
+MEASURED_SPEED = (
+    (92700, "9.27.0: fwd+bwd 0.80-1.02x 9.19's (slower at short shapes; docs/decisions/0015)"),
+    (92801, "9.28.1: fwd+bwd 1.04-1.07x 9.19's packed, 1.01-1.03x dense at S >= 4096 (docs/decisions/0023)"),
+)
 
 
 def newer_cudnn_advice(cudnn_version: int | None, torch_cuda: str | None) -> list[str]:

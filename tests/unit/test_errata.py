@@ -152,5 +152,6 @@ def test_the_doctor_lists_the_loaded_versions_entries_and_what_a_newer_cudnn_fix
     assert any("dq-nan-kv-64-mod-128" in line and "9.26.0" in line for line in advice)
     assert any("pip install -U 'nvidia-cudnn-cu13>=9.26.0'" in line for line in advice)
     (speed,) = [line for line in advice if line.startswith("speed on an H200")]
-    assert "9.27.0: fwd+bwd 0.80-1.02x" in speed and speed.endswith("later versions not measured here")
+    assert "9.27.0: fwd+bwd 0.80-1.02x" in speed and "9.28.1: fwd+bwd 1.04-1.07x" in speed
+    assert speed.endswith("later versions not measured here")
     assert doctor.newer_cudnn_advice(V926, "12.8") == [] and doctor.newer_cudnn_advice(None, None) == []
