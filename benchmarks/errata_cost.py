@@ -14,6 +14,8 @@ for a cheaper reroute.
 The batches are large enough that the kernels outlast the host work of a call (about 0.23 ms fwd+bwd on the H200): the
 first run (B 1 and 2 at S 576 and 1088, 2026-12-05) timed host work, and its two runs gave 1.40x and 0.98x for one shape.
 The cuDNN version the frontend loaded is in the header; on a version the table calls unaffected both rows are one graph.
+A second table times the errata whose graphs are refused (their calls take the exact path) beside the nearest call cuDNN
+serves, and names the path each took.
 """
 
 from __future__ import annotations
@@ -63,6 +65,53 @@ def _timed(shape, *, reroute: bool, window=(-1, -1)) -> float:
         cudnn_graphs.clear_cache()
 
 
+# The refused graphs' calls take the exact path: each beside the nearest call cuDNN serves (the refused graph itself can
+# crash the process or write NaN, so it is not timed). (erratum, the refused call, its neighbour): api, S_q, S_kv (per
+# document when packed), B (documents when packed), H, H_kv, D, D_v.
+REFUSED = [
+    ("bwd-plan-segfault-b1-h1-s1", ("dense", 1, 128, 1, 1, 1, 64, 64), ("dense", 1, 128, 2, 1, 1, 64, 64)),
+    ("packed-d256-other-dv-backward", ("packed", 2048, 2048, 2, 8, 8, 256, 128), ("packed", 2048, 2048, 2, 8, 8, 256, 256)),
+]
+
+
+def _call_step(api, S_q, S_kv, B, H, H_kv, D, D_v):
+    """A fwd+bwd step of one call (packed: B causal documents of S_q queries and S_kv keys each)."""
+    torch.manual_seed(0)
+    bf16 = dict(device="cuda", dtype=torch.bfloat16)
+    if api == "packed":
+        q = torch.randn(B * S_q, H, D, **bf16, requires_grad=True)
+        k = torch.randn(B * S_kv, H_kv, D, **bf16, requires_grad=True)
+        v = torch.randn(B * S_kv, H_kv, D_v, **bf16, requires_grad=True)
+        cu_q, cu_kv = (torch.arange(0, B + 1, device="cuda", dtype=torch.int32) * S for S in (S_q, S_kv))
+        grad = torch.randn(B * S_q, H, D_v, **bf16)
+
+        def call():
+            return cudnn_attention.varlen_attention(q, k, v, cu_q, cu_kv, S_q, S_kv, causal=True)
+    else:
+        q = torch.randn(B, H, S_q, D, **bf16, requires_grad=True)
+        k = torch.randn(B, H_kv, S_kv, D, **bf16, requires_grad=True)
+        v = torch.randn(B, H_kv, S_kv, D_v, **bf16, requires_grad=True)
+        grad = torch.randn(B, H, S_q, D_v, **bf16)
+
+        def call():
+            return cudnn_attention.attention(q, k, v)
+
+    return lambda: torch.autograd.grad(call(), (q, k, v), grad)
+
+
+def _shape_text(call) -> str:
+    api, S_q, S_kv, B, H, H_kv, D, D_v = call
+    return f"{api}, {S_q}, {S_kv}, {B}, {H}/{H_kv}, {D}/{D_v}"
+
+
+def _served(step) -> tuple[float, str]:
+    """``step``'s time and the path its backward took."""
+    cudnn_attention.reset_stats()
+    step()
+    path = "exact path" if cudnn_attention.stats()["fallback_backward"] else "cuDNN"
+    return cuda_time_ms(step), path
+
+
 def main(argv=None) -> list[str]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="also write the table to OUT/errata_cost.md")
@@ -86,6 +135,18 @@ def main(argv=None) -> list[str]:
         B, H, H_kv, D = rest
         row = f"| {S_q}, {S_kv}, {B}, {H}/{H_kv}, {D} | {served:.3f} | {bug:.3f} | {served / bug:.2f}x | {band:.3f} |"
         lines.append(f"{row} {below:.3f} | {above:.3f} |")
+    lines += [
+        "",
+        "Refused graphs (the exact path serves their calls on the versions the table names), fwd+bwd ms:",
+        "",
+        "| erratum | call: api, S_q, S_kv, B, H/H_kv, D/D_v | as served | path | neighbour (its path) | neighbour ms | ratio |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for key, call, neighbour in REFUSED:
+        (served, path), (near, near_path) = _served(_call_step(*call)), _served(_call_step(*neighbour))
+        shape = _shape_text(call)
+        near_shape = _shape_text(neighbour)
+        lines.append(f"| {key} | {shape} | {served:.3f} | {path} | {near_shape} ({near_path}) | {near:.3f} | {served / near:.2f}x |")
     print("\n".join(lines))
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
