@@ -166,6 +166,11 @@ class _Nodes:
             self.ragged[side, token_stride] = column
         t.set_ragged_offset(column)
 
+    def per_head(self, name, uid):
+        """A float32 value per query head, ``(1, H, 1, 1)``: the sinks, and dSink."""
+        H = self.spec.heads_q
+        return self.tensor(name, uid, (1, H, 1, 1), (H, 1, 1, 1), data_type=self.cudnn.data_type.FLOAT)
+
     def output(self, t, uid, dims, strides, data_type=None) -> None:
         t.set_uid(uid).set_output(True).set_dim(list(dims)).set_stride(list(strides)).set_data_type(data_type or self.io_type)
 
@@ -223,7 +228,7 @@ def _forward_nodes(nodes: _Nodes, q, k, v, mask_args: dict) -> list:
     """The forward node (sinks and the LSE as the spec says); returns the operand uids in call order."""
     spec, cudnn = nodes.spec, nodes.cudnn
     H = spec.heads_q
-    sinks = nodes.tensor("sinks", _UID.SINKS, (1, H, 1, 1), (H, 1, 1, 1), data_type=cudnn.data_type.FLOAT) if spec.sinks else None
+    sinks = nodes.per_head("sinks", _UID.SINKS) if spec.sinks else None
     o, stats = nodes.graph.sdpa(
         name="attention",
         q=q,
@@ -254,10 +259,8 @@ def _backward_nodes(nodes: _Nodes, q, k, v, mask_args: dict) -> list:
     B, H, H_kv, S_q, S_kv = spec.batch, spec.heads_q, spec.heads_kv, spec.seq_q, spec.seq_kv
     sink_args, sink_uids = {}, []
     if spec.sinks:
-        per_head = ((1, H, 1, 1), (H, 1, 1, 1))
-        sinks = nodes.tensor("sinks", _UID.SINKS, *per_head, data_type=cudnn.data_type.FLOAT)
-        dsinks = nodes.tensor("dsinks", _UID.DSINKS, *per_head, data_type=cudnn.data_type.FLOAT)
-        nodes.output(dsinks, _UID.DSINKS, *per_head, data_type=cudnn.data_type.FLOAT)
+        sinks, dsinks = nodes.per_head("sinks", _UID.SINKS), nodes.per_head("dsinks", _UID.DSINKS)
+        nodes.output(dsinks, _UID.DSINKS, (1, H, 1, 1), (H, 1, 1, 1), data_type=cudnn.data_type.FLOAT)
         sink_args, sink_uids = {"sink_token": sinks, "dSink_token": dsinks}, [_UID.SINKS, _UID.DSINKS]
     o = nodes.tensor("o", _UID.OUT, nodes.o_dims, spec.o_strides)
     d_o = nodes.tensor("dO", _UID.DO, nodes.o_dims, spec.o_strides)

@@ -222,16 +222,22 @@ def flex_call(case: Case, q, k, v, sinks):
     return run
 
 
+def cudnn_attention_call(case: Case, q, k, v, sinks, cu):
+    """The case's forward through cudnn_attention (causal, the case's window and sinks), as a callable."""
+    window = (case.left, 0)
+    if case.packed:
+        max_len = max(case.doc_lengths)
+        return lambda: cudnn_attention.varlen_attention(q, k, v, cu, cu, max_len, max_len, causal=True, window_size=window, sinks=sinks)
+    return lambda: cudnn_attention.attention(q, k, v, causal=True, window_size=window, sinks=sinks)
+
+
 def implementations(case: Case, q, k, v, sinks, cu):
     """name -> forward callable returning the differentiable output, for implementations that serve the case."""
     max_len = max(case.doc_lengths)
     window = (case.left, 0)
     fa4 = flash_attention_4()
-    impls = {}
+    impls = {"cudnn_attention": cudnn_attention_call(case, q, k, v, sinks, cu)}
     if case.packed:
-        impls["cudnn_attention"] = lambda: cudnn_attention.varlen_attention(
-            q, k, v, cu, cu, max_len, max_len, causal=True, window_size=window, sinks=sinks
-        )
         # The row above, a plain varlen call, may have a capacity tail and pays the zero fills; this one does not.
         covered = covering_every_token(cu, q.shape[0], max_len)
         impls["cudnn_attention, every token in a document"] = lambda: cudnn_attention.varlen_attention(
@@ -260,7 +266,6 @@ def implementations(case: Case, q, k, v, sinks, cu):
                 window_size_right=0,
             )[0]
     else:
-        impls["cudnn_attention"] = lambda: cudnn_attention.attention(q, k, v, causal=True, window_size=window, sinks=sinks)
         q_bshd, k_bshd, v_bshd = (t.transpose(1, 2) for t in (q, k, v))
         if fa4 is not None:  # (B, S, H, D) as FlashAttention takes them: the buffers themselves, or views of (B, H, S, D) ones
             impls["FlashAttention 4"] = lambda: fa4.flash_attn_func(
@@ -569,6 +574,13 @@ def versions_line() -> str:
         + (f", FlashAttention 4 {fa4}" if fa4 else "")
         + ", bf16, causal."
     )
+
+
+def write_table(lines: list[str], out: Path | None, name: str) -> None:
+    """``lines`` into ``out/name`` (the folder made if missing); nothing when ``out`` is None (no ``--out``)."""
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / name).write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
 def markdown(cases, host, sinks=None, recompiles=None) -> str:

@@ -30,7 +30,7 @@ if not torch.cuda.is_available():
     raise SystemExit("benchmarks/errata_cost.py times cuDNN graphs and needs a CUDA GPU; none is visible here.")
 
 import cudnn_attention  # noqa: E402
-from attention_kernels import cuda_time_ms  # noqa: E402 (this folder is on sys.path when run)
+from attention_kernels import cuda_time_ms, write_table  # noqa: E402 (this folder is on sys.path when run)
 from cudnn_attention import cudnn_graphs, errata, graph_spec  # noqa: E402
 from cudnn_attention.environment import versions  # noqa: E402
 from cudnn_attention.frontend import cudnn_version  # noqa: E402
@@ -39,27 +39,13 @@ from cudnn_attention.frontend import cudnn_version  # noqa: E402
 SHAPES = [(576, 576, 64, 16, 16, 64), (1088, 1088, 16, 16, 16, 64), (4160, 4160, 1, 32, 8, 128), (1, 4096, 256, 32, 8, 128)]
 
 
-def _step(S_q, S_kv, B, H, H_kv, D, window=(-1, -1)):
-    torch.manual_seed(0)
-    q = torch.randn(B, H, S_q, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    k = torch.randn(B, H_kv, S_kv, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    v = torch.randn(B, H_kv, S_kv, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    grad = torch.randn(B, H, S_q, D, device="cuda", dtype=torch.bfloat16)
-
-    def step():
-        out = cudnn_attention.attention(q, k, v, window_size=window)
-        torch.autograd.grad(out, (q, k, v), grad)
-
-    return step
-
-
 def _timed(shape, *, reroute: bool, window=(-1, -1)) -> float:
     around = graph_spec._around_errata
     if not reroute:
         graph_spec._around_errata = lambda spec: spec
     cudnn_graphs.clear_cache()
     try:
-        return cuda_time_ms(_step(*shape, window=window))
+        return cuda_time_ms(_call_step("dense", *shape, shape[-1], window=window))  # D_v = D
     finally:
         graph_spec._around_errata = around
         cudnn_graphs.clear_cache()
@@ -74,8 +60,9 @@ REFUSED = [
 ]
 
 
-def _call_step(api, S_q, S_kv, B, H, H_kv, D, D_v):
-    """A fwd+bwd step of one call (packed: B causal documents of S_q queries and S_kv keys each)."""
+def _call_step(api, S_q, S_kv, B, H, H_kv, D, D_v, window=(-1, -1)):
+    """A fwd+bwd step of one call (dense: non-causal under ``window``; packed: B causal documents of S_q queries and
+    S_kv keys each)."""
     torch.manual_seed(0)
     bf16 = dict(device="cuda", dtype=torch.bfloat16)
     if api == "packed":
@@ -94,7 +81,7 @@ def _call_step(api, S_q, S_kv, B, H, H_kv, D, D_v):
         grad = torch.randn(B, H, S_q, D_v, **bf16)
 
         def call():
-            return cudnn_attention.attention(q, k, v)
+            return cudnn_attention.attention(q, k, v, window_size=window)
 
     return lambda: torch.autograd.grad(call(), (q, k, v), grad)
 
@@ -148,9 +135,7 @@ def main(argv=None) -> list[str]:
         near_shape = _shape_text(neighbour)
         lines.append(f"| {key} | {shape} | {served:.3f} | {path} | {near_shape} ({near_path}) | {near:.3f} | {served / near:.2f}x |")
     print("\n".join(lines))
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "errata_cost.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    write_table(lines, args.out, "errata_cost.md")
     return lines
 
 

@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))  # the tests' adversarial draw: `support.adversarial`
 
 import cudnn_attention  # noqa: E402
+from attention_kernels import write_table  # noqa: E402 (this folder is on sys.path when run)
 from cudnn_attention import cudnn_graphs, errata, graph_spec  # noqa: E402
 from cudnn_attention.environment import versions  # noqa: E402
 from cudnn_attention.frontend import cudnn_version  # noqa: E402
@@ -158,9 +159,7 @@ def main(argv=None) -> int:
             print(lines[-1], flush=True)
     lines += ["", ", ".join(f"{name}: {count}" for name, count in counted.items())]
     print("\n".join(lines[-2:]))
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "errata_sweep.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    write_table(lines, args.out, "errata_sweep.md")
     return 1 if counted["broken as served"] else 0
 
 

@@ -31,8 +31,7 @@ sys.path.insert(0, str(ROOT / "tests"))  # the tests' float64 reference: `suppor
 
 from engine_plans import recorded_launches  # noqa: E402
 
-import cudnn_attention  # noqa: E402
-from attention_kernels import CASES, Case, cuda_time_ms, make_inputs  # noqa: E402 (this folder is on sys.path when run)
+from attention_kernels import CASES, Case, cuda_time_ms, cudnn_attention_call, make_inputs, write_table  # noqa: E402 (this folder is on sys.path when run)
 from cudnn_attention import errata, graph_build, launch  # noqa: E402
 from cudnn_attention.environment import versions  # noqa: E402
 from cudnn_attention.frontend import cudnn_version  # noqa: E402
@@ -48,19 +47,11 @@ SELECTED = [
 ]
 
 
-def _call(case: Case, q, k, v, sinks, cu):
-    window = (case.left, 0)
-    if case.packed:
-        longest = max(case.doc_lengths)
-        return cudnn_attention.varlen_attention(q, k, v, cu, cu, longest, longest, causal=True, window_size=window, sinks=sinks)
-    return cudnn_attention.attention(q, k, v, causal=True, window_size=window, sinks=sinks)
-
-
 def served_backward(case: Case, seed: int = 0):
     """``(graph, operands, inputs, grad_out)`` of the backward launch one served step makes."""
     q, k, v, sinks, cu = inputs = make_inputs(case, seed)
     with recorded_launches() as launches:
-        out = _call(case, q, k, v, sinks, cu)
+        out = cudnn_attention_call(case, q, k, v, sinks, cu)()
         grad_out = torch.randn_like(out)
         out.backward(grad_out)
     ((graph, operands),) = [(g, ops) for g, ops in launches if g.spec.direction == "backward"]
@@ -139,9 +130,7 @@ def main(argv=None) -> list[str]:
             f"| {'yes' if error['same dq/dk/dv'] else 'no'} | {served_ms:.3f} | {cudnn_ms:.3f} | {served_ms / cudnn_ms:.2f}x |"
         )
     print("\n".join(lines))
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "sink_backward.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    write_table(lines, args.out, "sink_backward.md")
     return lines
 
 
