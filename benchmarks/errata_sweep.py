@@ -141,13 +141,25 @@ def main(argv=None) -> int:
     print("\n".join(lines), flush=True)
     counted = {"kinds": 0, "rerouted": 0, "broken without the table": 0, "broken as served": 0}
     every = cases(args.quick) if args.mask is None else _first_group(cases(args.quick, tuple(args.mask)))
+    try:
+        _sweep(every, counted, lines, device=args.device)
+    except KeyboardInterrupt:  # `timeout -s INT`: a device call's limit; the counts say how far it got
+        lines += ["", f"cut short after {counted['kinds']} kinds"]
+    lines += ["", ", ".join(f"{name}: {count}" for name, count in counted.items())]
+    print("\n".join(lines[-2:]))
+    write_table(lines, args.out, "errata_sweep.md")
+    return 1 if counted["broken as served"] else 0
+
+
+def _sweep(every, counted, lines, *, device):
+    """Run each case, count it in ``counted`` and append (and print) a row for every listed kind."""
     for case in every:
         cudnn_attention.reset_stats()
-        served, rerouted = non_finite(*case, reroute=True, device=args.device)
+        served, rerouted = non_finite(*case, reroute=True, device=device)
         stats = cudnn_attention.stats()
         path = "cuDNN" if stats["cudnn_backward"] and not stats["fallback_backward"] else "exact path"
         # Where the table changed no graph, the call without it is the same call.
-        off = non_finite(*case, reroute=False, device=args.device)[0] if rerouted else served
+        off = non_finite(*case, reroute=False, device=device)[0] if rerouted else served
         counted["kinds"] += 1
         counted["rerouted"] += rerouted
         counted["broken without the table"] += off != "-"
@@ -157,10 +169,6 @@ def main(argv=None) -> int:
             row = f"| {layout} | {mask} | {'yes' if sinks else 'no'} | {D} | {H}/{H_kv} | {S_q}, {S_kv} | {off} | {served} |"
             lines.append(f"{row} {'yes' if rerouted else 'no'} | {path} |")
             print(lines[-1], flush=True)
-    lines += ["", ", ".join(f"{name}: {count}" for name, count in counted.items())]
-    print("\n".join(lines[-2:]))
-    write_table(lines, args.out, "errata_sweep.md")
-    return 1 if counted["broken as served"] else 0
 
 
 if __name__ == "__main__":

@@ -39,5 +39,22 @@ def test_the_sweep_reports_what_is_not_finite_and_fails_on_a_kind_broken_as_serv
         assert errata_sweep.main(["--device", "cpu"]) == 1
         cudnn_attention.attention = attention
         assert errata_sweep.main(["--device", "cpu"]) == 0
+
+        # `timeout -s INT` cuts a device call short: the table still says how many kinds ran, and is written.
+        import pathlib, tempfile
+        errata_sweep.cases = lambda quick: cases[:3]
+        finite, calls = errata_sweep.non_finite, []
+
+        def interrupted_third(*case, **kwargs):
+            calls.append(case)
+            if len(calls) == 3:
+                raise KeyboardInterrupt
+            return finite(*case, **kwargs)
+
+        errata_sweep.non_finite = interrupted_third
+        out = pathlib.Path(tempfile.mkdtemp())
+        assert errata_sweep.main(["--device", "cpu", "--out", str(out)]) == 0
+        table = (out / "errata_sweep.md").read_text()
+        assert "cut short after 2 kinds" in table and "kinds: 2," in table, table
     """
     check_in_script("errata_sweep", code)
