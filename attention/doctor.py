@@ -87,9 +87,10 @@ def newer_cudnn_advice(cudnn_version: int | None, torch_cuda: str | None) -> lis
     lines.append("speed on an H200: " + "; ".join([*measured, "later versions not measured here"]))
     lines += [
         f"to load a newer cuDNN with this torch: pip install -U 'nvidia-cudnn-cu{cuda_major}>={errata.version_text(newest)}'",
-        "  pip will answer that torch requires the nvidia-cudnn version it pins ('... which is incompatible'); torch and the "
-        "frontend both load the upgraded library. Run this doctor again: its version line and the checks tell whether "
-        "it works here.",
+        "  pip prints an ERROR line, that torch requires the version it pins ('... which is incompatible'), and installs "
+        "it all the same (exit status 0); torch and the frontend both load the upgraded library. A later pip install "
+        "that resolves torch's requirements (accelerate, or this package with its dependencies) puts the pinned "
+        "version back: upgrade cuDNN last, and run this doctor again, whose version lines say which one loads.",
     ]
     return lines
 

@@ -44,24 +44,31 @@ def _frontend() -> tuple[str | None, int | None]:
     except Exception:  # noqa: BLE001 - any import failure means "no usable frontend", which is what gets recorded
         return None, None
     frontend = getattr(cudnn, "__version__", None)
-    backend = None
-    if torch.cuda.is_available():
-        # Without a GPU the frontend's library lookup fails (no libcudnn is loaded); with one, this is the cuDNN that
-        # runs the fused kernels, which can differ from the one torch was built against.
-        try:
-            backend = int(cudnn.backend_version())
-        except Exception:  # noqa: BLE001 - a missing or broken libcudnn is recorded as None, not raised
-            backend = None
+    # This is the cuDNN that runs the fused kernels, which can differ from the one torch was built against. Asking needs
+    # no GPU (the frontend loads libcudnn and reads its version), so a login node reports what its jobs will load; with
+    # a CPU build of torch and no nvidia-cudnn wheel there is no library to find.
+    try:
+        backend = int(cudnn.backend_version())
+    except Exception:  # noqa: BLE001 - a missing or broken libcudnn is recorded as None, not raised
+        backend = None
     return frontend, backend
+
+
+def _torch_cudnn() -> int | None:
+    """The cuDNN library torch loaded (``torch.backends.cudnn.version()``: None for a CPU build), GPU or not."""
+    try:
+        return torch.backends.cudnn.version()
+    except Exception:  # noqa: BLE001 - a CUDA build whose libcudnn does not load: recorded as None, not raised
+        return None
 
 
 def versions() -> dict:
     """The versions this process would run with, as a JSON-serialisable dict (``None`` for what is absent).
 
     Keys: ``cudnn_attention``, ``python``, ``torch``, ``cuda`` (the CUDA torch was built with; ``None`` for a CPU
-    build), ``torch_cudnn`` (the cuDNN torch was built with), ``cudnn_backend`` (the cuDNN the frontend loaded; ``None``
-    without a GPU), ``cudnn_frontend``, ``transformers``, ``lightning``, ``gpu`` (the name of the current CUDA device,
-    or ``"cpu"``) and ``gpu_count``.
+    build), ``torch_cudnn`` (the cuDNN library torch loaded), ``cudnn_backend`` (the cuDNN library the frontend
+    loaded), ``cudnn_frontend``, ``transformers``, ``lightning``, ``gpu`` (the name of the current CUDA device, or
+    ``"cpu"``) and ``gpu_count``. Both cuDNN versions are read without a GPU too (``None`` where no library loads).
     """
 
     cuda = torch.cuda.is_available()
@@ -71,7 +78,7 @@ def versions() -> dict:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
-        "torch_cudnn": torch.backends.cudnn.version() if cuda else None,
+        "torch_cudnn": _torch_cudnn(),
         "cudnn_backend": backend,
         "cudnn_frontend": frontend,
         "transformers": _distribution_version("transformers"),

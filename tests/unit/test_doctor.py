@@ -5,11 +5,12 @@ the package's call (relabelled as served by cuDNN, or corrupted) shows what pass
 """
 
 import json
+import sys
 
 import pytest
 import torch
 
-from cudnn_attention import doctor, errata
+from cudnn_attention import doctor, environment, errata
 from cudnn_attention.integrations.hf import launch
 
 # Small shapes: the real ones (D 128, 256 tokens) cost about 30 s of float64 on two CPU cores.
@@ -30,7 +31,26 @@ def test_without_a_gpu_the_report_names_the_versions_and_exits_1(capsys):
         assert f"\n  {line} " in text, line
     assert torch.__version__ in text
     assert doctor.NO_GPU in text and "0 of 0 checks passed; exit status 1" in text
-    assert "known issues (cuDNN version unknown: all of them)" in text and "D 256" in text
+    if environment.versions()["cudnn_backend"] is None:  # a CPU build of torch: no cuDNN library to ask
+        assert "known issues (cuDNN version unknown: all of them)" in text and "D 256" in text
+
+
+@pytest.mark.no_gpu
+def test_a_login_node_without_a_gpu_lists_the_loaded_cudnns_issues(capsys, monkeypatch):
+    # A CUDA build of torch on a machine without a GPU: the frontend still reads its library's version (measured with
+    # torch 2.15.0+cu132 over cuDNN 9.28.1.4: 92801), so the report names that version's entries, not every one.
+    class Frontend:
+        __version__ = "1.32.0"
+
+        @staticmethod
+        def backend_version():
+            return 92801
+
+    monkeypatch.setitem(sys.modules, "cudnn", Frontend)
+    assert launch.main(["doctor"]) == 1
+    text = capsys.readouterr().out
+    assert "known issues of cuDNN 9.28.1:" in text and "dkdv-nan-single-query" in text, text
+    assert "dq-nan-kv-64-mod-128" not in text and doctor.NO_GPU in text
 
 
 @pytest.mark.no_gpu
@@ -39,7 +59,10 @@ def test_json_report_parses(capsys, tmp_path):
     report = json.loads(capsys.readouterr().out)
     assert report["exit_status"] == 1 and report["checks"] == [] and report["notes"] == [doctor.NO_GPU]
     assert report["versions"]["torch"] == torch.__version__ and report["versions"]["gpu"] == "cpu"
-    assert report["known_issues"] == doctor.known_issues(None) and len(report["known_issues"]) == len(errata.ERRATA)
+    loaded = report["versions"]["cudnn_backend"]  # None for a CPU build of torch: every entry
+    assert loaded == environment.versions()["cudnn_backend"] and report["known_issues"] == doctor.known_issues(loaded)
+    if loaded is None:
+        assert len(report["known_issues"]) == len(errata.ERRATA)
 
 
 def test_a_model_path_that_does_not_exist_is_one_line_before_any_work(capsys):

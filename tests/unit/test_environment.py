@@ -40,17 +40,47 @@ def test_versions_names_what_this_process_runs_with():
         except importlib.metadata.PackageNotFoundError:
             installed = None
         assert found[key] == installed, key
+    assert found["torch_cudnn"] == torch.backends.cudnn.version()  # None for a CPU build of torch
     if torch.cuda.is_available():
         assert found["gpu"] == torch.cuda.get_device_name() and found["gpu_count"] == torch.cuda.device_count()
-        assert found["torch_cudnn"] == torch.backends.cudnn.version()
     else:
-        assert (found["gpu"], found["gpu_count"], found["torch_cudnn"], found["cudnn_backend"]) == ("cpu", 0, None, None)
+        assert (found["gpu"], found["gpu_count"]) == ("cpu", 0)
+    if torch.version.cuda is None:  # a CPU build loads no cuDNN; the frontend finds none either
+        assert (found["torch_cudnn"], found["cudnn_backend"]) == (None, None)
 
 
-def test_a_machine_without_a_gpu_is_named_cpu(monkeypatch):
+def test_a_machine_without_a_gpu_is_named_cpu_and_still_reports_the_cudnn_it_loads(monkeypatch):
+    # A login node with a CUDA build of torch: both cuDNN versions are read from the libraries, no GPU needed, so the
+    # doctor there names the errata of the library its jobs will load.
+    class Frontend:
+        __version__ = "1.32.0"
+
+        @staticmethod
+        def backend_version():
+            return 92801
+
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.backends.cudnn, "version", lambda: 92801)
+    monkeypatch.setitem(sys.modules, "cudnn", Frontend)
     found = environment.versions()
-    assert (found["gpu"], found["gpu_count"], found["torch_cudnn"], found["cudnn_backend"]) == ("cpu", 0, None, None)
+    assert (found["gpu"], found["gpu_count"], found["torch_cudnn"], found["cudnn_backend"]) == ("cpu", 0, 92801, 92801)
+
+
+def test_a_cudnn_that_does_not_load_is_none(monkeypatch):
+    class Frontend:
+        __version__ = "1.32.0"
+
+        @staticmethod
+        def backend_version():
+            raise RuntimeError("Unable to find symbol cudnnGetVersion")  # what frontend 1.32 raises beside a CPU torch
+
+    def no_library():
+        raise OSError("libcudnn.so.9: cannot open shared object file")
+
+    monkeypatch.setattr(torch.backends.cudnn, "version", no_library)
+    monkeypatch.setitem(sys.modules, "cudnn", Frontend)
+    found = environment.versions()
+    assert (found["torch_cudnn"], found["cudnn_backend"], found["cudnn_frontend"]) == (None, None, "1.32.0")
 
 
 def test_a_frontend_that_does_not_import_is_none(monkeypatch):
