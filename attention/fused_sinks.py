@@ -79,6 +79,13 @@ def _row_geometry(out: torch.Tensor):
     return T, H, 1, D, out.stride(0), out.stride(1), 0
 
 
+def _wide(out: torch.Tensor) -> bool:
+    """Whether an element offset of ``out`` (and of ``grad_out``, which has its strides) passes int32, the type Triton
+    computes the kernels' offsets in unless told otherwise: an output of 2**31 elements or more (gpt-oss's 64 heads x 64
+    at 524,288 packed tokens), where int32 offsets wrap and the kernels would read and write outside the tensor."""
+    return sum((size - 1) * stride for size, stride in zip(out.shape, out.stride())) >= 2**31
+
+
 def _blocks(D: int, rows: int) -> tuple[int, int]:
     block_d = triton.next_power_of_2(D)
     block_r = max(1, min(4096 // block_d, triton.next_power_of_2(max(rows, 1))))
@@ -100,7 +107,7 @@ def _launch_fold(out, lse, sinks, absent):
         )
     block_r, block_d = _blocks(D, rows)
     _fold_kernel[(triton.cdiv(rows, block_r),)](
-        out, lse, sinks, absent_AC, rows, H, C, sa, sh, sc, D, HAS_ABSENT=has_absent, BLOCK_R=block_r, BLOCK_D=block_d
+        out, lse, sinks, absent_AC, rows, H, C, sa, sh, sc, D, HAS_ABSENT=has_absent, WIDE=_wide(out), BLOCK_R=block_r, BLOCK_D=block_d
     )
 
 
@@ -111,7 +118,7 @@ def _launch_sink_gradient(grad_out, out, lse, sinks):
     if rows:
         block_r, block_d = _blocks(D, rows)
         _sink_gradient_kernel[(triton.cdiv(rows, block_r),)](
-            grad_out, out, lse, sinks, terms, rows, H, C, sa, sh, sc, D, BLOCK_R=block_r, BLOCK_D=block_d
+            grad_out, out, lse, sinks, terms, rows, H, C, sa, sh, sc, D, WIDE=_wide(out), BLOCK_R=block_r, BLOCK_D=block_d
         )
     return terms.sum((0, 2)) if lse.dim() == 3 else terms.sum(0)
 
@@ -127,6 +134,13 @@ if triton is not None:
     # Redundant stores of a (BLOCK_R, 1) value write the same bits.
 
     @triton.jit
+    def _row_offsets(a_R1, h_R1, c_R1, sa, sh, sc, WIDE: tl.constexpr):
+        # int64 only where int32 would wrap (WIDE): the narrow kernels stay as they were measured.
+        if WIDE:
+            return a_R1.to(tl.int64) * sa + h_R1.to(tl.int64) * sh + c_R1.to(tl.int64) * sc
+        return a_R1 * sa + h_R1 * sh + c_R1 * sc
+
+    @triton.jit
     def _fold_kernel(
         out_ptr,
         lse_ptr,
@@ -140,6 +154,7 @@ if triton is not None:
         sc,
         D,
         HAS_ABSENT: tl.constexpr,
+        WIDE: tl.constexpr,
         BLOCK_R: tl.constexpr,
         BLOCK_D: tl.constexpr,
     ):
@@ -158,7 +173,7 @@ if triton is not None:
             gone_R1 = tl.load(absent_ptr + a_R1 * C + c_R1, mask=valid_R1, other=0) != 0
             folded_R1 = tl.where(gone_R1, float("-inf"), folded_R1)
         d_1D = tl.arange(0, BLOCK_D)[None, :]
-        offsets_RD = a_R1 * sa + h_R1 * sh + c_R1 * sc + d_1D
+        offsets_RD = _row_offsets(a_R1, h_R1, c_R1, sa, sh, sc, WIDE) + d_1D
         inside_RD = valid_R1 & (d_1D < D)
         values_RD = tl.load(out_ptr + offsets_RD, mask=inside_RD, other=0.0).to(tl.float32) * factor_R1
         if HAS_ABSENT:
@@ -168,7 +183,21 @@ if triton is not None:
 
     @triton.jit
     def _sink_gradient_kernel(
-        grad_ptr, out_ptr, lse_ptr, sinks_ptr, terms_ptr, rows, H, C, sa, sh, sc, D, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr
+        grad_ptr,
+        out_ptr,
+        lse_ptr,
+        sinks_ptr,
+        terms_ptr,
+        rows,
+        H,
+        C,
+        sa,
+        sh,
+        sc,
+        D,
+        WIDE: tl.constexpr,
+        BLOCK_R: tl.constexpr,
+        BLOCK_D: tl.constexpr,
     ):
         r_R1 = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]
         valid_R1 = r_R1 < rows
@@ -176,7 +205,7 @@ if triton is not None:
         h_R1 = (r_R1 // C) % H
         a_R1 = r_R1 // (C * H)
         d_1D = tl.arange(0, BLOCK_D)[None, :]
-        offsets_RD = a_R1 * sa + h_R1 * sh + c_R1 * sc + d_1D
+        offsets_RD = _row_offsets(a_R1, h_R1, c_R1, sa, sh, sc, WIDE) + d_1D
         inside_RD = valid_R1 & (d_1D < D)
         grad_RD = tl.load(grad_ptr + offsets_RD, mask=inside_RD, other=0.0).to(tl.float32)
         values_RD = tl.load(out_ptr + offsets_RD, mask=inside_RD, other=0.0).to(tl.float32)

@@ -85,8 +85,40 @@ print("fused sink passes agree")
 """
 
 
-def _run(device: str, env: dict) -> subprocess.CompletedProcess:
-    return run_python(CHECK, device, env={**os.environ, **env}, timeout=600)
+# Outputs of 2**31 elements or more (gpt-oss's 64 x 64 per token at 524,288 packed tokens): int32 offsets wrap. A
+# (3, 1, 1, 8) view with a batch stride of 2**30 reaches the same offsets in one 4 GiB allocation, of which only the
+# rows touched are ever paged in. Before the kernels widened such offsets, the fold wrote the last row's values outside
+# the tensor (wrong values here) and the gradient's read faulted (exit status 139 in the interpreter).
+WIDE_CHECK = r"""
+import sys, torch
+from cudnn_attention import fused_sinks
+device = sys.argv[1]
+torch.manual_seed(0)
+D = 8
+storage = torch.empty(2 * 2**30 + 2 * D, dtype=torch.bfloat16, device=device)
+out = storage.as_strided((3, 1, 1, D), (2**30, D, D, 1))
+grad = storage.as_strided((3, 1, 1, D), (2**30, D, D, 1), D)  # the same offsets, D elements on
+values, grad_values = (torch.randn(3, 1, 1, D, device=device).to(torch.bfloat16) for _ in range(2))
+out.copy_(values)
+grad.copy_(grad_values)
+lse, sinks = torch.randn(3, 1, 1, device=device), torch.randn(1, device=device)
+assert fused_sinks._wide(out) and not fused_sinks._wide(values)
+fused_sinks._fused = lambda *a: False  # the torch-op definitions, on compact copies
+want_out, want_lse = values.clone(), lse.clone()
+fused_sinks.fold_sinks(want_out, want_lse, sinks, None)
+want_ds = fused_sinks.sink_gradient(grad_values, want_out, want_lse, sinks)
+got_lse = lse.clone()
+fused_sinks._launch_fold(out, got_lse, sinks, None)
+torch.testing.assert_close(out.float(), want_out.float(), rtol=2 ** -7, atol=0)
+torch.testing.assert_close(got_lse, want_lse, rtol=1e-6, atol=1e-6)
+out.copy_(want_out)
+torch.testing.assert_close(fused_sinks._launch_sink_gradient(grad, out, want_lse, sinks), want_ds, rtol=1e-5, atol=1e-6)
+print("fused sink passes agree past int32 offsets")
+"""
+
+
+def _run(device: str, env: dict, check: str = CHECK) -> subprocess.CompletedProcess:
+    return run_python(check, device, env={**os.environ, **env}, timeout=600)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed (CUDA builds of torch ship it)")
@@ -99,3 +131,15 @@ def test_fused_sink_passes_match_their_definition_in_the_interpreter():
 def test_fused_sink_passes_match_their_definition_on_the_gpu():
     result = _run("cuda", {})
     assert result.returncode == 0 and "agree" in result.stdout, result.stdout + result.stderr
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed (CUDA builds of torch ship it)")
+def test_fused_sink_passes_reach_offsets_past_int32_in_the_interpreter():
+    result = _run("cpu", {"TRITON_INTERPRET": "1"}, WIDE_CHECK)
+    assert result.returncode == 0 and "past int32" in result.stdout, (result.returncode, result.stdout + result.stderr)
+
+
+@pytest.mark.gpu
+def test_fused_sink_passes_reach_offsets_past_int32_on_the_gpu():
+    result = _run("cuda", {}, WIDE_CHECK)
+    assert result.returncode == 0 and "past int32" in result.stdout, (result.returncode, result.stdout + result.stderr)
