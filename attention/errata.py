@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import NamedTuple
 
-__all__ = ["ERRATA", "REFUSE", "REROUTE", "UNMET", "Erratum", "applying", "matching", "version_text"]
+__all__ = ["ERRATA", "GRID_LIMIT", "REFUSE", "REROUTE", "UNMET", "Erratum", "applying", "matching", "version_text"]
 
 REROUTE, REFUSE, UNMET = "reroute", "refuse", "none"
 
@@ -110,6 +110,15 @@ def _packed_backward_with_sinks(spec) -> bool:
     return spec.direction == "backward" and spec.packed and spec.sinks
 
 
+# The largest batch, and number of heads, cuDNN's attention kernels run (entry batch-or-heads-over-65535): 65,535 passes,
+# 65,536 fails. Packed graphs bucket their document count at this at most (layouts.packed_bounds).
+GRID_LIMIT = 65535
+
+
+def _batch_or_heads_past_the_grid(spec) -> bool:
+    return max(spec.batch, spec.heads_q, spec.heads_kv) > GRID_LIMIT
+
+
 _PADDED_VARIANT = (
     "the backward graph is built with a padding mask and every length full (the same result; that graph was measured clean), "
     "chosen from the shapes alone, with no device read"
@@ -192,6 +201,28 @@ ERRATA = (
         ),
         test="tests/gpu/test_gpu_packed_sinks.py, tests/unit/test_errata.py",
         affects=_packed_backward_with_sinks,
+    ),
+    Erratum(
+        key="batch-or-heads-over-65535",
+        what=(
+            "Forward and backward fail at execution (a bad status, raised as an error mid-step) when the batch or the number "
+            "of heads passes 65,535: 65,535 runs, 65,536 fails (a 16-bit limit)."
+        ),
+        first=None,
+        fixed=None,
+        seen_on="9.2.0 (H100, upstream: torch's cuDNN SDPA at B 65,536); later versions unchecked, treated as affected",
+        report="https://github.com/pytorch/pytorch/issues/181085, https://github.com/pytorch/pytorch/pull/180718 (torch's "
+        "own cuDNN path refuses a batch or head count above 65,535)",
+        action=REFUSE,
+        workaround=(
+            "such graphs are refused before they are built, so those calls (a vision model's windows or patches folded into "
+            "the batch, say) take the exact path (counted, warned about once, refused in strict mode); a packed graph's "
+            "document bound is capped at 65,535, so packed batches of up to 65,535 documents stay on cuDNN"
+        ),
+        test="tests/unit/test_errata.py::test_refused_graphs_are_cached_rejections_before_anything_is_built, "
+        "tests/gpu/test_gpu_errata.py::test_batches_past_the_grid_limit_take_the_exact_path, "
+        "tests/gpu/test_gpu_errata.py::test_the_grid_limit_matches_the_loaded_cudnn",
+        affects=_batch_or_heads_past_the_grid,
     ),
     Erratum(
         key="float32-output-forward",

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from .errata import GRID_LIMIT
+
 __all__ = [
     "allocate_backward_outputs",
     "allocate_forward_outputs",
@@ -90,10 +92,12 @@ def packed_bounds(*, documents: int, max_seqlen: int, tokens: int) -> tuple[int,
     bounds take one bucket per octave. They stay tight otherwise: a looser longest-document bound
     costs real time, e.g. full causal attention with sinks, 16,384 tokens in 13 documents, forward +
     backward 5.84 ms with the token count as the bound against 2.04 ms with the longest document's
-    power of two. No document is longer than the step, so the token count's bucket caps ``seq``.
+    power of two. No document is longer than the step, so the token count's bucket caps ``seq``. The document bound
+    stops at :data:`~cudnn_attention.errata.GRID_LIMIT`, the largest batch cuDNN's kernels run: 40,000 documents get a
+    graph for 65,535, not a refused one for 65,536.
     """
     seq = min(_power_of_two_at_least(max(max_seqlen, MIN_SEQ_BUCKET)), shape_bucket(tokens, MIN_SEQ_BUCKET))
-    return _power_of_two_at_least(documents), seq
+    return min(_power_of_two_at_least(documents), max(documents, GRID_LIMIT)), seq
 
 
 def allocate_forward_outputs(

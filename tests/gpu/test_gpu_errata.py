@@ -95,3 +95,49 @@ def test_the_rerouted_graph_is_the_padded_one_and_no_host_sync():
     assert len(specs) == 1
     rerouted = errata.matching(specs[0]._replace(padded=False), cudnn_version()) is not None
     assert specs[0].padded == rerouted  # padded exactly on the versions the table calls affected
+
+
+def test_batches_past_the_grid_limit_take_the_exact_path():
+    """B 65,536 (a vision model's windows folded into the batch): refused before a build (entry batch-or-heads-over-65535),
+    served by the exact path within the rule and said so; B 65,535, the limit, stays on cuDNN."""
+    for B, on_cudnn in ((65535, True), (65536, False)):
+        torch.manual_seed(0)
+        q, k, v = (torch.randn(B, 1, 16, 32, device=DEVICE, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+        cudnn_attention.reset_stats()
+        result = evaluate_call("dense", (q, k, v), {})
+        stats = cudnn_attention.stats()
+        assert result["ok"], (B, [c for c in result["checks"] if not c["ok"]])
+        if on_cudnn:
+            assert stats["cudnn_forward"] == stats["cudnn_backward"] == 1 and not stats["fallback_forward"], stats
+        else:
+            assert stats["cudnn_forward"] == stats["cudnn_backward"] == 0, stats
+            assert all("batch-or-heads-over-65535" in reason for reason in stats["fallback_forward"]), stats
+
+
+# The graph the entry refuses, built and launched anyway in a fresh process (a launch that fails may leave the CUDA
+# context unusable): it must fail exactly where the table says the loaded cuDNN has the limit.
+_PAST_THE_GRID = """
+import torch, cudnn_attention
+from cudnn_attention import errata
+errata.ERRATA = tuple(e for e in errata.ERRATA if e.key != "batch-or-heads-over-65535")
+q, k, v = (torch.randn(65536, 1, 16, 32, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+try:
+    with cudnn_attention.strict():
+        out = cudnn_attention.attention(q, k, v)
+    torch.cuda.synchronize()
+    ref = torch.softmax((q.float() @ k.float().transpose(-1, -2)) * 32**-0.5, -1) @ v.float()
+    print("ran", "right" if (out.float() - ref).abs().max().item() < 0.05 else "wrong")
+except Exception as exc:
+    print("failed", type(exc).__name__, str(exc)[:200])
+"""
+
+
+def test_the_grid_limit_matches_the_loaded_cudnn():
+    from support.child_process import run_python
+
+    erratum = next(e for e in errata.ERRATA if e.key == "batch-or-heads-over-65535")
+    result = run_python(_PAST_THE_GRID, timeout=300)
+    said = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else f"exit {result.returncode}: {result.stderr[-500:]}"
+    served = said.startswith("ran right")
+    version = errata.version_text(cudnn_version())
+    assert served != erratum.applies_to(cudnn_version()), f"cuDNN {version}: the table says the grid limit applies; B 65,536: {said}"

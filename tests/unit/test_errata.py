@@ -124,6 +124,10 @@ def test_refused_graphs_are_cached_rejections_before_anything_is_built(monkeypat
         for spec, text in (
             (_backward(packed=True, dim_qk=256, dim_v=128, seq_q=256, seq_kv=256), "packed-d256-other-dv-backward"),
             (_backward(batch=1, heads_q=1, heads_kv=1, seq_q=1, seq_kv=128), "bwd-plan-segfault-b1-h1-s1"),
+            (_backward(batch=65536, seq_q=16, seq_kv=16), "batch-or-heads-over-65535"),
+            (_backward(batch=65536, seq_q=16, seq_kv=16)._replace(direction="forward"), "batch-or-heads-over-65535"),
+            (_backward(batch=1, heads_q=65536, heads_kv=1, seq_q=16, seq_kv=16), "batch-or-heads-over-65535"),
+            (_backward(packed=True, batch=70000, seq_q=64, seq_kv=64), "batch-or-heads-over-65535"),
         ):
             with pytest.raises(GraphRejected, match=text):
                 cudnn_graphs.get_graph(spec)
@@ -158,3 +162,15 @@ def test_the_doctor_lists_the_loaded_versions_entries_and_what_a_newer_cudnn_fix
     assert "9.27.0: fwd+bwd 0.80-1.02x" in speed and "9.28.1: fwd+bwd 1.04-1.07x" in speed
     assert speed.endswith("later versions not measured here")
     assert doctor.newer_cudnn_advice(V926, "12.8") == [] and doctor.newer_cudnn_advice(None, None) == []
+
+
+def test_the_grid_limit_refuses_only_past_65535_and_packed_bounds_stay_within_it():
+    # torch's own cuDNN path saw B 65,535 run and 65,536 fail (pytorch#181085): the limit itself is served.
+    for spec in (_backward(batch=65535, seq_q=16, seq_kv=16), _backward(batch=1, heads_q=65535, heads_kv=5, seq_q=16, seq_kv=16)):
+        assert _key(spec, V919) is None and _key(spec, V926) is None, spec
+    from cudnn_attention.layouts import packed_bounds
+
+    # 40,000 documents: a power-of-two bound would be 65,536 (refused); the cap keeps them on cuDNN.
+    assert packed_bounds(documents=40000, max_seqlen=8, tokens=320000)[0] == errata.GRID_LIMIT
+    assert packed_bounds(documents=70000, max_seqlen=8, tokens=560000)[0] == 70000  # past it: refused, as its graph says
+    assert packed_bounds(documents=1000, max_seqlen=8, tokens=8000)[0] == 1024
