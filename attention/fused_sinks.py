@@ -135,9 +135,11 @@ if triton is not None:
 
     @triton.jit
     def _row_offsets(a_R1, h_R1, c_R1, sa, sh, sc, WIDE: tl.constexpr):
-        # int64 only where int32 would wrap (WIDE): the narrow kernels stay as they were measured.
+        # int64 only where int32 would wrap (WIDE, resolved at compile time): the narrow kernels stay as measured.
         if WIDE:
-            return a_R1.to(tl.int64) * sa + h_R1.to(tl.int64) * sh + c_R1.to(tl.int64) * sc
+            a_R1 = a_R1.to(tl.int64)
+            h_R1 = h_R1.to(tl.int64)
+            c_R1 = c_R1.to(tl.int64)
         return a_R1 * sa + h_R1 * sh + c_R1 * sc
 
     @triton.jit
