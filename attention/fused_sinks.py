@@ -79,11 +79,13 @@ def _row_geometry(out: torch.Tensor):
     return T, H, 1, D, out.stride(0), out.stride(1), 0
 
 
-def _wide(out: torch.Tensor) -> bool:
-    """Whether an element offset of ``out`` (and of ``grad_out``, which has its strides) passes int32, the type Triton
-    computes the kernels' offsets in unless told otherwise: an output of 2**31 elements or more (gpt-oss's 64 heads x 64
-    at 524,288 packed tokens), where int32 offsets wrap and the kernels would read and write outside the tensor."""
-    return sum((size - 1) * stride for size, stride in zip(out.shape, out.stride())) >= 2**31
+def _wide(geometry: tuple) -> bool:
+    """Whether the largest element offset of an output of this :func:`_row_geometry` (and of ``grad_out``, which has its
+    strides) passes int32, the type Triton computes the kernels' offsets in unless told otherwise: an output of 2**31
+    elements or more (gpt-oss's 64 heads x 64 at 524,288 packed tokens), where int32 offsets wrap and the kernels would
+    read and write outside the tensor."""
+    A, H, C, D, sa, sh, sc = geometry
+    return (A - 1) * sa + (H - 1) * sh + (C - 1) * sc + D - 1 >= 2**31
 
 
 def _blocks(D: int, rows: int) -> tuple[int, int]:
@@ -93,7 +95,7 @@ def _blocks(D: int, rows: int) -> tuple[int, int]:
 
 
 def _launch_fold(out, lse, sinks, absent):
-    A, H, C, D, sa, sh, sc = _row_geometry(out)
+    A, H, C, D, sa, sh, sc = geometry = _row_geometry(out)
     rows = A * H * C
     if rows == 0:
         return
@@ -107,18 +109,18 @@ def _launch_fold(out, lse, sinks, absent):
         )
     block_r, block_d = _blocks(D, rows)
     _fold_kernel[(triton.cdiv(rows, block_r),)](
-        out, lse, sinks, absent_AC, rows, H, C, sa, sh, sc, D, HAS_ABSENT=has_absent, WIDE=_wide(out), BLOCK_R=block_r, BLOCK_D=block_d
+        out, lse, sinks, absent_AC, rows, H, C, sa, sh, sc, D, HAS_ABSENT=has_absent, WIDE=_wide(geometry), BLOCK_R=block_r, BLOCK_D=block_d
     )
 
 
 def _launch_sink_gradient(grad_out, out, lse, sinks):
-    A, H, C, D, sa, sh, sc = _row_geometry(out)
+    A, H, C, D, sa, sh, sc = geometry = _row_geometry(out)
     rows = A * H * C
     terms = torch.empty(lse.shape, dtype=torch.float32, device=out.device)
     if rows:
         block_r, block_d = _blocks(D, rows)
         _sink_gradient_kernel[(triton.cdiv(rows, block_r),)](
-            grad_out, out, lse, sinks, terms, rows, H, C, sa, sh, sc, D, WIDE=_wide(out), BLOCK_R=block_r, BLOCK_D=block_d
+            grad_out, out, lse, sinks, terms, rows, H, C, sa, sh, sc, D, WIDE=_wide(geometry), BLOCK_R=block_r, BLOCK_D=block_d
         )
     return terms.sum((0, 2)) if lse.dim() == 3 else terms.sum(0)
 

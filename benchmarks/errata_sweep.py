@@ -141,12 +141,14 @@ def main(argv=None) -> int:
     print("\n".join(lines), flush=True)
     counted = {"kinds": 0, "rerouted": 0, "broken without the table": 0, "broken as served": 0}
     every = cases(args.quick) if args.mask is None else _first_group(cases(args.quick, tuple(args.mask)))
+    tail = []
     try:
         _sweep(every, counted, lines, device=args.device)
     except KeyboardInterrupt:  # `timeout -s INT`: a device call's limit; the counts say how far it got
-        lines += ["", f"cut short after {counted['kinds']} kinds"]
-    lines += ["", ", ".join(f"{name}: {count}" for name, count in counted.items())]
-    print("\n".join(lines[-2:]))
+        tail += ["", f"cut short after {counted['kinds']} kinds"]
+    tail += ["", ", ".join(f"{name}: {count}" for name, count in counted.items())]
+    lines += tail
+    print("\n".join(tail))
     write_table(lines, args.out, "errata_sweep.md")
     return 1 if counted["broken as served"] else 0
 

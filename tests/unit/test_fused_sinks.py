@@ -102,7 +102,7 @@ values, grad_values = (torch.randn(3, 1, 1, D, device=device).to(torch.bfloat16)
 out.copy_(values)
 grad.copy_(grad_values)
 lse, sinks = torch.randn(3, 1, 1, device=device), torch.randn(1, device=device)
-assert fused_sinks._wide(out) and not fused_sinks._wide(values)
+assert fused_sinks._wide(fused_sinks._row_geometry(out)) and not fused_sinks._wide(fused_sinks._row_geometry(values))
 fused_sinks._fused = lambda *a: False  # the torch-op definitions, on compact copies
 want_out, want_lse = values.clone(), lse.clone()
 fused_sinks.fold_sinks(want_out, want_lse, sinks, None)
