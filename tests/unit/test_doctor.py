@@ -5,13 +5,13 @@ the package's call (relabelled as served by cuDNN, or corrupted) shows what pass
 """
 
 import json
-import sys
 
 import pytest
 import torch
 
 from cudnn_attention import doctor, environment, errata
 from cudnn_attention.integrations.hf import launch
+from support.fake_frontend import install_fake_frontend
 
 # Small shapes: the real ones (D 128, 256 tokens) cost about 30 s of float64 on two CPU cores.
 SMALL = {"_BATCH": 2, "_HEADS": 4, "_KV_HEADS": 2, "_SEQ": 24, "_DIM": 16, "_PADDED_LENGTHS": (24, 9), "_DOCUMENTS": (9, 1, 5, 9)}
@@ -39,14 +39,7 @@ def test_without_a_gpu_the_report_names_the_versions_and_exits_1(capsys):
 def test_a_login_node_without_a_gpu_lists_the_loaded_cudnns_issues(capsys, monkeypatch):
     # A CUDA build of torch on a machine without a GPU: the frontend still reads its library's version (measured with
     # torch 2.15.0+cu132 over cuDNN 9.28.1.4: 92801), so the report names that version's entries, not every one.
-    class Frontend:
-        __version__ = "1.32.0"
-
-        @staticmethod
-        def backend_version():
-            return 92801
-
-    monkeypatch.setitem(sys.modules, "cudnn", Frontend)
+    install_fake_frontend(monkeypatch, 92801)
     assert launch.main(["doctor"]) == 1
     text = capsys.readouterr().out
     assert "known issues of cuDNN 9.28.1:" in text and "dkdv-nan-single-query" in text, text

@@ -10,6 +10,7 @@ import torch
 
 import cudnn_attention
 from cudnn_attention import environment
+from support.fake_frontend import install_fake_frontend
 
 KEYS = {
     "cudnn_attention",
@@ -52,33 +53,20 @@ def test_versions_names_what_this_process_runs_with():
 def test_a_machine_without_a_gpu_is_named_cpu_and_still_reports_the_cudnn_it_loads(monkeypatch):
     # A login node with a CUDA build of torch: both cuDNN versions are read from the libraries, no GPU needed, so the
     # doctor there names the errata of the library its jobs will load.
-    class Frontend:
-        __version__ = "1.32.0"
-
-        @staticmethod
-        def backend_version():
-            return 92801
-
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(torch.backends.cudnn, "version", lambda: 92801)
-    monkeypatch.setitem(sys.modules, "cudnn", Frontend)
+    install_fake_frontend(monkeypatch, 92801)
     found = environment.versions()
     assert (found["gpu"], found["gpu_count"], found["torch_cudnn"], found["cudnn_backend"]) == ("cpu", 0, 92801, 92801)
 
 
 def test_a_cudnn_that_does_not_load_is_none(monkeypatch):
-    class Frontend:
-        __version__ = "1.32.0"
-
-        @staticmethod
-        def backend_version():
-            raise RuntimeError("Unable to find symbol cudnnGetVersion")  # what frontend 1.32 raises beside a CPU torch
-
     def no_library():
         raise OSError("libcudnn.so.9: cannot open shared object file")
 
     monkeypatch.setattr(torch.backends.cudnn, "version", no_library)
-    monkeypatch.setitem(sys.modules, "cudnn", Frontend)
+    # what frontend 1.32 raises beside a CPU build of torch
+    install_fake_frontend(monkeypatch, RuntimeError("Unable to find symbol cudnnGetVersion"))
     found = environment.versions()
     assert (found["torch_cudnn"], found["cudnn_backend"], found["cudnn_frontend"]) == (None, None, "1.32.0")
 

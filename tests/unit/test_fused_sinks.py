@@ -5,7 +5,6 @@ Triton is imported) when Triton is installed; on a GPU they run compiled (``gpu`
 
 import importlib
 import os
-import subprocess
 
 import pytest
 
@@ -117,29 +116,23 @@ print("fused sink passes agree past int32 offsets")
 """
 
 
-def _run(device: str, env: dict, check: str = CHECK) -> subprocess.CompletedProcess:
-    return run_python(check, device, env={**os.environ, **env}, timeout=600)
+# (the script, what it prints when every check held)
+CHECKS = {"definitions": (CHECK, "fused sink passes agree"), "past int32 offsets": (WIDE_CHECK, "agree past int32 offsets")}
+
+
+def _passes(check: str, device: str, env: dict) -> None:
+    script, says = CHECKS[check]
+    result = run_python(script, device, env={**os.environ, **env}, timeout=600)
+    assert result.returncode == 0 and says in result.stdout, (result.returncode, result.stdout + result.stderr)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed (CUDA builds of torch ship it)")
-def test_fused_sink_passes_match_their_definition_in_the_interpreter():
-    result = _run("cpu", {"TRITON_INTERPRET": "1"})
-    assert result.returncode == 0 and "agree" in result.stdout, result.stdout + result.stderr
+@pytest.mark.parametrize("check", list(CHECKS))
+def test_fused_sink_passes_in_the_interpreter(check):
+    _passes(check, "cpu", {"TRITON_INTERPRET": "1"})
 
 
 @pytest.mark.gpu
-def test_fused_sink_passes_match_their_definition_on_the_gpu():
-    result = _run("cuda", {})
-    assert result.returncode == 0 and "agree" in result.stdout, result.stdout + result.stderr
-
-
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed (CUDA builds of torch ship it)")
-def test_fused_sink_passes_reach_offsets_past_int32_in_the_interpreter():
-    result = _run("cpu", {"TRITON_INTERPRET": "1"}, WIDE_CHECK)
-    assert result.returncode == 0 and "past int32" in result.stdout, (result.returncode, result.stdout + result.stderr)
-
-
-@pytest.mark.gpu
-def test_fused_sink_passes_reach_offsets_past_int32_on_the_gpu():
-    result = _run("cuda", {}, WIDE_CHECK)
-    assert result.returncode == 0 and "past int32" in result.stdout, (result.returncode, result.stdout + result.stderr)
+@pytest.mark.parametrize("check", list(CHECKS))
+def test_fused_sink_passes_on_the_gpu(check):
+    _passes(check, "cuda", {})
