@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from . import cp_state, validation
+from . import batch_chunks, cp_state, validation
 from . import plan as plans
 from .call import NO_LENGTHS, Prepared, packed_lengths, padding_lengths
 from .call_keys import argument_options, served_key
@@ -220,7 +220,8 @@ def varlen_attention(
 
 def serve(prepared: Prepared, *, plan=None):
     """``(out, lse)`` for a prepared call: cuDNN when it can serve it, else the exact path, counted and warned
-    about once per reason (and refused in strict mode). An empty call is no fallback.
+    about once per reason (and refused in strict mode). An empty call is no fallback. A dense batch past cuDNN's grid
+    limit is served as chunks that fit, each a call of its own (:mod:`~cudnn_attention.batch_chunks`).
 
     ``plan``: already resolved for this call (a remembered key's). Otherwise the call is resolved, and its plan
     remembered under ``prepared.key`` when cuDNN serves it.
@@ -228,6 +229,9 @@ def serve(prepared: Prepared, *, plan=None):
     call, q, k, v, sinks, lengths = prepared.call, prepared.q, prepared.k, prepared.v, prepared.sinks, prepared.lengths
     if plan is None:
         empty = validation.nothing_to_compute(q, k, max_seqlen_q=call.max_seqlen_q, max_seqlen_kv=call.max_seqlen_kv)
+        count = 1 if empty else batch_chunks.chunk_count(prepared)
+        if count > 1:
+            return batch_chunks.joined([serve(part) for part in batch_chunks.chunks(prepared, count)])
         plan, reason = (None, None) if empty else plans.resolve(q, k, v, call)
         if plan is not None and prepared.key is not None:
             memoize(prepared.key, (call, plan), plan.specs)

@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import NamedTuple
 
-__all__ = ["ERRATA", "GRID_LIMIT", "REFUSE", "REROUTE", "UNMET", "Erratum", "applying", "matching", "version_text"]
+__all__ = ["ERRATA", "GRID_LIMIT", "REFUSE", "REROUTE", "UNMET", "Erratum", "applying", "grid_limited", "matching", "version_text"]
 
 REROUTE, REFUSE, UNMET = "reroute", "refuse", "none"
 
@@ -111,7 +111,8 @@ def _packed_backward_with_sinks(spec) -> bool:
 
 
 # The largest batch, and number of heads, cuDNN's attention kernels run (entry batch-or-heads-over-65535): 65,535 passes,
-# 65,536 fails. Packed graphs bucket their document count at this at most (layouts.packed_bounds).
+# 65,536 fails. Dense calls with a larger batch are served in chunks that fit (batch_chunks); packed graphs bucket their
+# document count at this at most (layouts.packed_bounds).
 GRID_LIMIT = 65535
 
 
@@ -215,12 +216,14 @@ ERRATA = (
         "own cuDNN path refuses a batch or head count above 65,535)",
         action=REFUSE,
         workaround=(
-            "such graphs are refused before they are built, so those calls (a vision model's windows or patches folded into "
-            "the batch, say) take the exact path (counted, warned about once, refused in strict mode); a packed graph's "
-            "document bound is capped at 65,535, so packed batches of up to 65,535 documents stay on cuDNN"
+            "a dense call with a larger batch (a vision model's windows folded into the batch, say) runs on cuDNN as batch "
+            "chunks of at most 65,535 (cudnn_attention.batch_chunks; the output is copied once more); graphs past the limit "
+            "are refused before they are built, so a head count above it, or a packed batch of more documents, takes the "
+            "exact path (counted, warned about once, refused in strict mode); a packed graph's document bound is capped at "
+            "65,535, so packed batches of up to 65,535 documents stay on cuDNN"
         ),
         test="tests/unit/test_errata.py::test_refused_graphs_are_cached_rejections_before_anything_is_built, "
-        "tests/gpu/test_gpu_errata.py::test_batches_past_the_grid_limit_take_the_exact_path, "
+        "tests/unit/test_batch_chunks.py, tests/gpu/test_gpu_errata.py::test_batches_past_the_grid_limit_are_served_in_chunks, "
         "tests/gpu/test_gpu_errata.py::test_the_grid_limit_matches_the_loaded_cudnn",
         affects=_batch_or_heads_past_the_grid,
     ),
@@ -250,3 +253,9 @@ def matching(spec, version: int | None) -> Erratum | None:
     met = [e for e in ERRATA if e.affects is not None and e.applies_to(version) and e.affects(spec)]
     refusals = [e for e in met if e.action == REFUSE]
     return (refusals or met or [None])[0]
+
+
+def grid_limited(version: int | None) -> bool:
+    """Whether the cuDNN ``version`` has the grid limit: entry ``batch-or-heads-over-65535`` is in the table and its range
+    holds ``version`` (an unknown one: yes)."""
+    return any(e.key == "batch-or-heads-over-65535" and e.applies_to(version) for e in ERRATA)

@@ -23,8 +23,8 @@ from typing import NamedTuple
 
 import torch
 
+from . import batch_chunks, validation
 from . import plan as plans
-from . import validation
 from .call import Prepared
 from .cudnn_ops import cudnn_backward
 from .op_args import op_args
@@ -70,8 +70,13 @@ def _resolve(query, key, value, **arguments) -> tuple[Prepared | None, str | Non
     call = prepared.call
     if validation.nothing_to_compute(prepared.q, prepared.k, max_seqlen_q=call.max_seqlen_q, max_seqlen_kv=call.max_seqlen_kv):
         return prepared, "empty inputs"
-    _plan, reason = plans.resolve(prepared.q, prepared.k, prepared.v, call)
-    return prepared, reason
+    count = batch_chunks.chunk_count(prepared)
+    # A batch past cuDNN's grid limit is served in chunks (_forward, _backward): each must resolve.
+    for part in [prepared] if count == 1 else batch_chunks.chunks(prepared, count):
+        _plan, reason = plans.resolve(part.q, part.k, part.v, call)
+        if reason is not None:
+            return prepared, reason
+    return prepared, None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -341,15 +346,23 @@ def _varlen_resolve(call: VarlenCall) -> tuple[Prepared | None, str | None]:
 
 
 def _forward(prepared: Prepared):
-    """``(out, lse)`` of a prepared call through the forward op (the provider's kernels sit below torch's autograd)."""
+    """``(out, lse)`` of a prepared call through the forward op (the provider's kernels sit below torch's autograd); a
+    batch past cuDNN's grid limit in chunks (:mod:`~cudnn_attention.batch_chunks`), ``lse`` None unless asked for then."""
+    count = batch_chunks.chunk_count(prepared)
+    if count > 1:
+        return batch_chunks.joined([_forward(part) for part in batch_chunks.chunks(prepared, count)])
     return torch.ops.cudnn_attention.forward(
         prepared.q, prepared.k, prepared.v, need_lse=prepared.call.need_lse, **op_args(prepared.call, prepared.lengths, None)
     )
 
 
 def _backward(prepared: Prepared, grad_out, out, lse):
-    """dQ, dK, dV through the backward op. torch's autograd formulas for these ops declare their LSE non-differentiable
-    and ignore its gradient, so there is none to pass on."""
+    """dQ, dK, dV through the backward op (in chunks where :func:`_forward` chunked). torch's autograd formulas for these
+    ops declare their LSE non-differentiable and ignore its gradient, so there is none to pass on."""
+    count = batch_chunks.chunk_count(prepared)
+    if count > 1:
+        rows = zip(*(torch.tensor_split(t, count, dim=0) for t in (grad_out, out, lse)))
+        return batch_chunks.joined([_backward(part, *row) for part, row in zip(batch_chunks.chunks(prepared, count), rows)])
     return cudnn_backward(grad_out, prepared.q, prepared.k, prepared.v, out, lse, call=prepared.call, lengths=prepared.lengths)
 
 

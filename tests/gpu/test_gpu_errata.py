@@ -97,21 +97,48 @@ def test_the_rerouted_graph_is_the_padded_one_and_no_host_sync():
     assert specs[0].padded == rerouted  # padded exactly on the versions the table calls affected
 
 
-def test_batches_past_the_grid_limit_take_the_exact_path():
-    """B 65,536 (a vision model's windows folded into the batch): refused before a build (entry batch-or-heads-over-65535),
-    served by the exact path within the rule and said so; B 65,535, the limit, stays on cuDNN."""
-    for B, on_cudnn in ((65535, True), (65536, False)):
-        torch.manual_seed(0)
-        q, k, v = (torch.randn(B, 1, 16, 32, device=DEVICE, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-        cudnn_attention.reset_stats()
-        result = evaluate_call("dense", (q, k, v), {})
-        stats = cudnn_attention.stats()
-        assert result["ok"], (B, [c for c in result["checks"] if not c["ok"]])
-        if on_cudnn:
-            assert stats["cudnn_forward"] == stats["cudnn_backward"] == 1 and not stats["fallback_forward"], stats
-        else:
-            assert stats["cudnn_forward"] == stats["cudnn_backward"] == 0, stats
-            assert all("batch-or-heads-over-65535" in reason for reason in stats["fallback_forward"]), stats
+def _past_the_grid_case(B, *, seed=0):
+    # A vision model's windows folded into the batch, with options a chunk must carry: GQA, sinks, a padding mask and a
+    # causal window, in transformers' (B, S, H, D) memory.
+    torch.manual_seed(seed)
+    q = torch.randn(B, 16, 2, 64, device=DEVICE, dtype=torch.bfloat16).transpose(1, 2)
+    k, v = (torch.randn(B, 24, 1, 64, device=DEVICE, dtype=torch.bfloat16).transpose(1, 2) for _ in range(2))
+    sinks = torch.randn(2, device=DEVICE)
+    seqlens_kv = torch.randint(0, 25, (B,), device=DEVICE, dtype=torch.int32)
+    leaves = [t.detach().requires_grad_() for t in (q, k, v, sinks)]
+    return leaves[:3], dict(sinks=leaves[3], seqlens_kv=seqlens_kv, causal=True, window_size=(8, 0))
+
+
+@pytest.mark.parametrize("B, chunks", [(65535, 1), (65536, 2), (140000, 3)], ids=["the limit", "one past it", "three chunks"])
+def test_batches_past_the_grid_limit_are_served_in_chunks(B, chunks):
+    """Past 65,535 (entry batch-or-heads-over-65535) a dense call runs on cuDNN as batch chunks that each fit, within the
+    rule against float64, forward and backward, dSink summed over the chunks: what a small batch of the same call does,
+    once per chunk, with nothing falling back."""
+    small_qkv, small_options = _past_the_grid_case(4)
+    cudnn_attention.reset_stats()
+    assert evaluate_call("dense", tuple(small_qkv), small_options)["ok"]
+    small = cudnn_attention.stats()
+    assert small["cudnn_forward"] == small["cudnn_backward"] == 1, small
+    qkv, options = _past_the_grid_case(B)
+    cudnn_attention.reset_stats()
+    result = evaluate_call("dense", tuple(qkv), options)
+    stats = cudnn_attention.stats()
+    assert result["ok"], (B, [c for c in result["checks"] if not c["ok"]])
+    assert stats["cudnn_forward"] == stats["cudnn_backward"] == chunks, stats
+    assert not stats["fallback_forward"] and not stats["fallback_backward"], stats
+
+
+def test_heads_past_the_grid_limit_take_the_exact_path():
+    """65,536 heads cannot be chunked by batch: the graph is refused before a build and the exact path serves the call
+    within the rule, said so."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 65536, 4, 16, device=DEVICE, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    cudnn_attention.reset_stats()
+    result = evaluate_call("dense", (q, k, v), {})
+    stats = cudnn_attention.stats()
+    assert result["ok"], [c for c in result["checks"] if not c["ok"]]
+    assert stats["cudnn_forward"] == stats["cudnn_backward"] == 0, stats
+    assert all("batch-or-heads-over-65535" in reason for reason in stats["fallback_forward"]), stats
 
 
 # The graph the entry refuses, built and launched anyway in a fresh process (a launch that fails may leave the CUDA

@@ -124,6 +124,31 @@ def test_compiled_sdpa_runs_on_our_op():
         torch.testing.assert_close(got, want)
 
 
+def test_a_batch_past_the_grid_limit_is_served_in_chunks():
+    # torch's own cuDNN kernel fails at a batch of 65,536 (errata entry batch-or-heads-over-65535); the provider's op
+    # serves it as two chunks that fit, forward and backward, within the rule.
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(65536, 2, 16, 32, device=DEVICE, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    grad_out = torch.randn(65536, 2, 16, 32, device=DEVICE, dtype=torch.bfloat16)
+    cudnn_attention.reset_stats()
+    with cudnn_attention.enabled(), cudnn_attention.strict():
+        out = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, is_causal=True)[0]
+        grads = torch.autograd.grad(out, (q, k, v), grad_out)
+    stats = cudnn_attention.stats()
+    assert stats["provider"]["sdpa_forward"] == stats["provider"]["sdpa_backward"] == 1, stats
+    assert stats["cudnn_forward"] == stats["cudnn_backward"] == 2, stats
+    mask = MaskSpec(-1, 0, False)
+    fp32 = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    ref, _ = dense_reference(*fp32, scale=32**-0.5, mask=mask)
+    ref_grads = torch.autograd.grad(ref, fp32, grad_out.float())
+    bf16 = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    lowp, _ = dense_reference(*bf16, scale=32**-0.5, mask=mask, compute_dtype=torch.bfloat16)
+    lowp_grads = torch.autograd.grad(lowp, bf16, grad_out)
+    assert_within_lowp_noise("out", out, ref, lowp)
+    for name, got, want, base in zip(("dq", "dk", "dv"), grads, ref_grads, lowp_grads):
+        assert_within_lowp_noise(name, got, want, base)
+
+
 @pytest.mark.parametrize("route", ["op, causal", "varlen_attn"])
 def test_varlen_op_runs_on_our_op_and_matches_reference(route):
     varlen = pytest.importorskip("torch.nn.attention.varlen")

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import cudnn_attention
-from cudnn_attention import _compat, provider, sdpa_overrides
+from cudnn_attention import _compat, batch_chunks, errata, provider, sdpa_overrides
 from support.child_process import python_output
 from support.provider_cpu import DENSE_OPS, VARLEN_OPS, in_fresh_thread, our_ops_on_cpu, per_document_reference
 
@@ -216,6 +216,33 @@ def test_dense_op_through_torch_autograd_is_served_and_exact(cpu_kernels, causal
     provider_stats = cudnn_attention.stats()["provider"]
     assert provider_stats["sdpa_forward"] == 1 and provider_stats["sdpa_backward"] == 1
     assert provider_stats["torch_forward"] == {} and provider_stats["torch_backward"] == {}
+
+
+def test_a_batch_past_the_grid_limit_is_served_in_chunks(cpu_kernels, monkeypatch):
+    # The limit lowered to 3 on a "device" cuDNN serves: 7 rows go to our op in three chunks, forward and backward, and
+    # give what one call gives (torch's own cuDNN kernel would fail on such a batch).
+    monkeypatch.setattr(errata, "GRID_LIMIT", 3)
+    monkeypatch.setattr(batch_chunks, "grid_limited_on", lambda device_type: True)
+    cut = []
+    chunks = batch_chunks.chunks
+    monkeypatch.setattr(batch_chunks, "chunks", lambda prepared, count: cut.append(count) or chunks(prepared, count))
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(7, 2, 16, 8, generator=generator).half().requires_grad_() for _ in range(3))
+    grad_out = torch.randn(7, 2, 16, 8, generator=generator).half()
+
+    def run():
+        out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, is_causal=True)[:2]
+        return out, lse, torch.autograd.grad(out, (q, k, v), grad_out)
+
+    out, lse, grads = run()
+    assert cut == [3] * 4, cut  # resolved and launched in three chunks, forward and backward
+    monkeypatch.setattr(errata, "GRID_LIMIT", 65535)
+    whole_out, whole_lse, whole_grads = run()
+    assert cut == [3] * 4
+    for got, want in zip((out, lse, *grads), (whole_out, whole_lse, *whole_grads)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    provider_stats = cudnn_attention.stats()["provider"]
+    assert provider_stats["sdpa_forward"] == provider_stats["sdpa_backward"] == 2 and not provider_stats["torch_forward"]
 
 
 def test_dense_op_without_grad_returns_a_full_size_lse(cpu_kernels):
