@@ -15,7 +15,8 @@ The batches are large enough that the kernels outlast the host work of a call (a
 first run (B 1 and 2 at S 576 and 1088, 2026-12-05) timed host work, and its two runs gave 1.40x and 0.98x for one shape.
 The cuDNN version the frontend loaded is in the header; on a version the table calls unaffected both rows are one graph.
 A second table times the errata whose graphs are refused (their calls take the exact path) beside the nearest call cuDNN
-serves, and names the path each took.
+serves, and names the path each took. A third times the grid limit's workaround: a batch one past 65,535 served as two
+chunks, beside the limit itself (one graph) and beside the exact path that served such batches before the chunks.
 """
 
 from __future__ import annotations
@@ -60,6 +61,32 @@ REFUSED = [
 ]
 
 
+# The grid limit (entry batch-or-heads-over-65535): a vision model's 7 x 7 windows folded into the batch. S, H, D.
+GRID_WINDOW = (49, 4, 32)
+
+
+def _grid_rows() -> list[str]:
+    from cudnn_attention import batch_chunks
+
+    S, H, D = GRID_WINDOW
+    rows = []
+    for label, B, chunked in (
+        ("the limit, whole", errata.GRID_LIMIT, True),
+        ("one past it, chunks", errata.GRID_LIMIT + 1, True),
+        ("one past it, before the chunks", errata.GRID_LIMIT + 1, False),
+    ):
+        limited_on = batch_chunks.grid_limited_on
+        if not chunked:  # what served it before: the refused graph's fallback
+            batch_chunks.grid_limited_on = lambda device_type: False
+        try:
+            ms, path = _served(_call_step("dense", S, S, B, H, H, D, D))
+        finally:
+            batch_chunks.grid_limited_on = limited_on
+        rows.append((label, B, ms, path))
+    per_row = rows[0][2] / rows[0][1]
+    return [f"| {label} | {B} | {ms:.3f} | {path} | {ms / B / per_row:.2f}x |" for label, B, ms, path in rows]
+
+
 def _call_step(api, S_q, S_kv, B, H, H_kv, D, D_v, window=(-1, -1)):
     """A fwd+bwd step of one call (dense: non-causal under ``window``; packed: B causal documents of S_q queries and
     S_kv keys each)."""
@@ -92,10 +119,11 @@ def _shape_text(call) -> str:
 
 
 def _served(step) -> tuple[float, str]:
-    """``step``'s time and the path its backward took."""
+    """``step``'s time and the path its backward took: the exact path, or ``cuDNN x N`` launches (chunks)."""
     cudnn_attention.reset_stats()
     step()
-    path = "exact path" if cudnn_attention.stats()["fallback_backward"] else "cuDNN"
+    stats = cudnn_attention.stats()
+    path = "exact path" if stats["fallback_backward"] else f"cuDNN x {stats['cudnn_backward']}"
     return cuda_time_ms(step), path
 
 
@@ -134,6 +162,16 @@ def main(argv=None) -> list[str]:
         shape = _shape_text(call)
         near_shape = _shape_text(neighbour)
         lines.append(f"| {key} | {shape} | {served:.3f} | {path} | {near_shape} ({near_path}) | {near:.3f} | {served / near:.2f}x |")
+    S, H, D = GRID_WINDOW
+    lines += [
+        "",
+        f"The grid limit: batches of {S}-token windows (H {H}, D {D}, non-causal), fwd+bwd ms; per row: ms per batch row as a "
+        "multiple of the limit's:",
+        "",
+        "| batch | B | fwd+bwd ms | path | per row |",
+        "|---|---|---|---|---|",
+        *_grid_rows(),
+    ]
     print("\n".join(lines))
     write_table(lines, args.out, "errata_cost.md")
     return lines
