@@ -38,7 +38,9 @@ def argument_options(q, k, v, scale, causal, bottom_right, window_size, sinks, r
     dtypes and devices go in); ``ints``: the packed maxima; ``options``: the values of the :data:`OP_OPTIONS` but the scale."""
     if type(q) is not torch.Tensor or type(k) is not torch.Tensor or type(v) is not torch.Tensor:
         return None
-    if not (scale is None or type(scale) is float) or type(causal) is not bool or type(bottom_right) is not bool:
+    if not (scale is None or type(scale) is float):
+        return None
+    if type(causal) is not bool or type(bottom_right) is not bool or type(return_lse) is not bool:
         return None
     if not is_int_window(window_size):
         return None
@@ -68,7 +70,7 @@ def argument_options(q, k, v, scale, causal, bottom_right, window_size, sinks, r
         causal,
         bottom_right,
         window_size,
-        bool(return_lse),
+        return_lse,
         grad,
         sinks_key,
         tuple(index_key),

@@ -77,13 +77,6 @@ def _refuse_unsupported(dropout_p=0.0, softcap=0.0, **absent) -> None:
             raise NotImplementedError(f"{name} is not supported by cudnn_attention.flash_attn_interface; pass {name}=None")
 
 
-def _flag(value, name: str) -> bool:
-    # FlashAttention hands these to C++ as bool, which takes nothing else.
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {value!r} ({type(value).__name__})")
-    return value
-
-
 def _window(window_size, causal) -> tuple[int, int]:
     """FlashAttention's ``(window_size, causal)`` as one ``(left, right)`` band: -1 (or None) unbounded, and
     ``causal`` setting ``right = 0`` whatever was asked (FlashAttention's rule; the core refuses the mix)."""
@@ -98,7 +91,7 @@ def _window(window_size, causal) -> tuple[int, int]:
         elif bound < -1:
             raise ValueError(f"window_size {side} bound must be >= 0, or -1 for unbounded; got {bound}")
         bounds.append(bound)
-    return bounds[0], 0 if _flag(causal, "causal") else bounds[1]
+    return bounds[0], 0 if validation.check_flag(causal, "causal") else bounds[1]
 
 
 def _tensor(t, name: str, rank: int, layout: str) -> torch.Tensor:
@@ -124,7 +117,7 @@ def _bshd(t: torch.Tensor) -> torch.Tensor:
 
 def _deterministic(options) -> bool | None:
     """The core's ``deterministic`` for FlashAttention's flag: True asks for it, False leaves torch's setting in charge."""
-    return True if _flag(options.deterministic, "deterministic") else None
+    return True if validation.check_flag(options.deterministic, "deterministic") else None
 
 
 class _Options(NamedTuple):

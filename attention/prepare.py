@@ -27,6 +27,7 @@ def prepare_dense(
     :data:`OP_OPTIONS` other than the scale, as the caller passed them."""
     given = (q, k, v)
     q, k, v = validation.check_qkv(q, k, v, packed=False)
+    causal, bottom_right, return_lse, validate = _flags(causal, bottom_right, return_lse, validate)
     mask = make_mask_spec(causal=causal, bottom_right=bottom_right, window_size=window_size)
     q, scale = validation.positive_scale(q, validation.resolve_scale(scale, q.shape[-1]))
     sinks = validation.check_sinks(sinks, q, q.shape[1])
@@ -71,6 +72,7 @@ def prepare_packed(
     :func:`~cudnn_attention.layouts.token_major`: cuDNN's packed backward needs it)."""
     given = (q, k, v)
     q, k, v = validation.check_qkv(q, k, v, packed=True)
+    causal, bottom_right, return_lse, validate = _flags(causal, bottom_right, return_lse, validate)
     max_seqlen_q, max_seqlen_kv = validation.check_cu_seqlens(
         cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, q.device, total_q=q.shape[0], total_kv=k.shape[0]
     )
@@ -151,6 +153,12 @@ def prepare_aten(
         validate=False,
         grad=grad,
     )
+
+
+def _flags(causal, bottom_right, return_lse, validate) -> tuple:
+    """The call's yes/no arguments, each checked to be a bool (:func:`~cudnn_attention.validation.check_flag`)."""
+    names = ("causal", "bottom_right", "return_lse", "validate")
+    return tuple(validation.check_flag(value, name) for value, name in zip((causal, bottom_right, return_lse, validate), names))
 
 
 def _attention_call(sinks, grad: bool, return_lse: bool, options: dict, **fields) -> AttentionCall:

@@ -15,6 +15,7 @@ from .policy import note_copy
 
 __all__ = [
     "check_cu_seqlens",
+    "check_flag",
     "check_prefix_sums",
     "check_qkv",
     "check_seqlens",
@@ -44,6 +45,16 @@ def _innermost_dense(t: torch.Tensor, name: str) -> torch.Tensor:
             note_copy(name, message + " on each such call (said once per input)")
         return t.contiguous()
     return t
+
+
+def check_flag(value, name: str) -> bool:
+    """``value`` when it is a bool (Python's, numpy's, or torch's symbolic one while compiling); anything else raises
+    ``TypeError`` naming it: its truth would decide silently (``causal="false"`` reads as true)."""
+    if type(value) is bool or isinstance(value, torch.SymBool):
+        return value
+    if type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_"):
+        return bool(value)
+    raise TypeError(f"{name} must be a bool, got {value!r} ({type(value).__name__})")
 
 
 def check_qkv(q, k, v, *, packed: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -45,6 +45,8 @@ def cudnn_attention_forward(
     is_causal = kwargs.pop("is_causal", None)
     if is_causal is None:  # an explicit kwarg wins over the module (encoders, cross-attention)
         is_causal = getattr(module, "is_causal", True)
+    # transformers reads it by its truth (a config's is_decoder, say); the core takes a bool only.
+    is_causal = bool(is_causal)
     sinks = kwargs.get("s_aux")
     query, key, value = _to_compute_dtype(query, key, value)
     if context_parallel.active() is not None:

@@ -294,6 +294,22 @@ def test_fallback_warning_names_the_users_line_through_transformers():
     assert [(w.filename, w.lineno) for w in record] == [(__file__, line)]
 
 
+def test_the_layer_reads_is_causal_by_its_truth_as_transformers_does():
+    # The core refuses a non-bool causal (causal="false" would read as true); transformers reads a module's is_causal, a
+    # config's is_decoder say, by its truth, and so does its layer here.
+    from cudnn_attention.integrations.hf.attention_function import cudnn_attention_forward
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 4, 8, 16), torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16)
+    outs = []
+    for flag in (1, True, 0, False):
+        module = type("Attention", (), {"is_causal": flag})()
+        outs.append(cudnn_attention_forward(module, q, k, v, None)[0])
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
+    torch.testing.assert_close(outs[2], outs[3], rtol=0, atol=0)
+    assert not torch.equal(outs[0], outs[2])
+
+
 def test_output_attentions_goes_to_the_eager_path_visibly():
     model = build("llama", "cudnn")
     ids = random_ids(1, 6)

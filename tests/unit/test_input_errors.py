@@ -57,6 +57,11 @@ def remembered(request):
         (dict(seqlens_q=torch.tensor([1, 9]), validate=True), ValueError, r"seqlens_q must lie in \[0, 5\], got \[1, 9\]"),
         (dict(scale=float("nan")), ValueError, r"scale must be finite, got nan"),
         (dict(scale="0.1"), TypeError, r"scale must be a float or None, got '0.1'"),
+        # A yes/no argument's truth would decide silently: "false" reads as true.
+        (dict(causal="false"), TypeError, r"causal must be a bool, got 'false' \(str\)"),
+        (dict(bottom_right=1), TypeError, r"bottom_right must be a bool, got 1 \(int\)"),
+        (dict(return_lse="no"), TypeError, r"return_lse must be a bool, got 'no' \(str\)"),
+        (dict(validate="yes"), TypeError, r"validate must be a bool, got 'yes' \(str\)"),
     ],
 )
 def test_dense_option_errors(kwargs, error, pattern, remembered):
@@ -75,6 +80,8 @@ _VALID = dict(
     seqlens_kv=torch.tensor([1, 2]),
     scale=1.0,
     causal=False,
+    bottom_right=False,
+    return_lse=False,
     validate=False,
     max_seqlen_q=4,
     max_seqlen_kv=4,
@@ -87,6 +94,8 @@ _VALID = dict(
         (dict(scale=1.0), dict(scale=True), TypeError, r"scale must be a float or None, got True"),
         (dict(window_size=(1, 0)), dict(window_size=(1.0, 0)), TypeError, r"left bound must be an int, got 1.0"),
         (dict(window_size=(1, 0)), dict(window_size=(True, 0)), TypeError, r"left bound must be an int, got True"),
+        (dict(return_lse=True), dict(return_lse=1), TypeError, r"return_lse must be a bool, got 1"),
+        (dict(causal=True), dict(causal=1), TypeError, r"causal must be a bool, got 1"),
     ],
 )
 def test_an_equal_option_of_another_type_is_still_checked(served_on_cpu, valid, bad, error, pattern):
@@ -133,6 +142,7 @@ def test_an_equal_option_of_another_type_is_still_checked(served_on_cpu, valid, 
         ),
         (lambda a: {**a, "max_seqlen_q": 3, "validate": True}, ValueError, r"has 4 tokens, more than max_seqlen_q 3"),
         (lambda a: {**a, "max_seqlen_kv": -1}, ValueError, r"max_seqlen_kv must be >= 0, got -1"),
+        (lambda a: {**a, "causal": "no"}, TypeError, r"causal must be a bool, got 'no' \(str\)"),
     ],
 )
 def test_varlen_errors(mutate, error, pattern, remembered):
@@ -151,6 +161,14 @@ def test_a_maximum_of_another_type_is_still_checked(served_on_cpu):
     assert served_on_cpu["resolve"] == 1 and served_on_cpu["launch"] == 2
     with pytest.raises(TypeError, match=r"max_seqlen_q must be a Python int, got 4.0"):
         cudnn_attention.varlen_attention(q, k, v, cu, cu, 4.0, 4)
+
+
+def test_numpy_bools_are_bools():
+    np = pytest.importorskip("numpy")
+    q, k, v = dense()
+    torch.testing.assert_close(
+        cudnn_attention.attention(q, k, v, causal=np.bool_(True), return_lse=np.True_)[0], cudnn_attention.attention(q, k, v, causal=True)
+    )
 
 
 def test_options_are_keyword_only():
