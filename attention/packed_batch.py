@@ -171,6 +171,7 @@ def packed_batch(
         cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, device, total_q=tokens_q, total_kv=tokens_kv, names=names
     )
     batch = registered_batch(cu_seqlens_q, cu_seqlens_kv, tokens_q, tokens_kv)
+    validate, cover_all = validation.check_flag(validate, "validate"), validation.check_flag(cover_all, "cover_all")
     return batch.check(max_seqlen_q, max_seqlen_kv, validate=validate, cover_all=cover_all, names=names)
 
 

@@ -54,7 +54,7 @@ import warnings
 
 import torch
 
-from . import _compat, sdpa_overrides
+from . import _compat, sdpa_overrides, validation
 from .policy import stacklevel_past_frameworks
 
 __all__ = [
@@ -169,6 +169,7 @@ def install(*, replace_existing: bool = False) -> ProviderHandle:
             off instead of shadowed (and back on by ``remove()``).
     """
     global _live
+    replace_existing = validation.check_flag(replace_existing, "replace_existing")
     with _lock:
         if _live is not None:
             over_ours = _live.shadowed_by()

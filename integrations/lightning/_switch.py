@@ -19,6 +19,7 @@ import logging
 import cudnn_attention
 from cudnn_attention import provider as _provider
 from cudnn_attention.plan import device_unservable_reason as unservable_reason
+from cudnn_attention.validation import check_flag
 
 from ..hf.model_switch import ModelSwitch
 
@@ -33,9 +34,9 @@ class AttentionSwitch:
     """One activation of cuDNN attention: :meth:`activate`, :meth:`switch_models` (repeatable), :meth:`deactivate`."""
 
     def __init__(self, *, strict: bool = False, provider: bool = True, hf_models: bool = True):
-        self.strict = strict
-        self.provider = provider
-        self.hf_models = hf_models
+        self.strict = check_flag(strict, "strict")
+        self.provider = check_flag(provider, "provider")
+        self.hf_models = check_flag(hf_models, "hf_models")
         self._handle = None  # the provider handle, when this switch installed it
         self._strict_previous = None
         self._strict_held = False
@@ -108,10 +109,11 @@ class CudnnAttentionHooks:
 
     def __init__(self, *, strict: bool = False, provider: bool = True, hf_models: bool = True, log_stats: bool = True):
         super().__init__()
-        self.strict = strict
-        self.provider = provider
-        self.hf_models = hf_models
-        self.log_stats = log_stats
+        # Checked here, not only by the switch made at setup: strict="no" would read as true then, a fit later.
+        self.strict = check_flag(strict, "strict")
+        self.provider = check_flag(provider, "provider")
+        self.hf_models = check_flag(hf_models, "hf_models")
+        self.log_stats = check_flag(log_stats, "log_stats")
         self._switch: AttentionSwitch | None = None  # created in setup / on_after_setup, never pickled live
 
     # -- state --------------------------------------------------------------------------------

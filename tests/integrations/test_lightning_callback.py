@@ -94,6 +94,16 @@ def test_cli_init_args_select_what_is_switched(tmp_path):
     assert cli.model.seen_implementations == ["sdpa"] * STEPS and cli.model.seen_provider == [False] * STEPS
 
 
+@pytest.mark.parametrize("flag", ["strict", "provider", "hf_models", "log_stats"])
+def test_a_flag_that_is_not_a_bool_is_refused_at_construction(flag):
+    # strict="no" read as true, and stopped the first fallback of a fit started much later.
+    with pytest.raises(TypeError, match=rf"{flag} must be a bool, got 'no' \(str\)"):
+        CudnnAttention(**{flag: "no"})
+    if flag != "log_stats":
+        with pytest.raises(TypeError, match=rf"{flag} must be a bool, got 0 \(int\)"):
+            fabric_attention(torch.nn.Linear(1, 1), **{flag: 0}).__enter__()
+
+
 def test_strict_where_cudnn_serves_nothing_stops_before_training_in_one_line(tmp_path):
     # A CPU Trainer with strict=True once died at the first training step, in a 155-line traceback.
     model = TinyLlamaModule()

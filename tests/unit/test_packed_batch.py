@@ -30,6 +30,13 @@ def test_one_value_per_batch_until_a_tensor_is_written():
     assert not vars(cu_q)  # nothing was set on the caller's tensor
 
 
+@pytest.mark.parametrize("flag", ["cover_all", "validate"])
+def test_its_flags_are_bools(flag):
+    cu = torch.tensor([0, 4], dtype=torch.int32)
+    with pytest.raises(TypeError, match=rf"{flag} must be a bool, got 'no' \(str\)"):
+        cudnn_attention.packed_batch(cu, cu, 4, 4, tokens_q=4, tokens_kv=4, **{flag: "no"})
+
+
 def test_the_kept_facts_leave_with_their_tensors():
     import gc
     import weakref

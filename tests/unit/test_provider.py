@@ -54,6 +54,13 @@ def test_install_is_idempotent_and_remove_restores_torch_kernels():
     assert not any(_ours_registered(op) for op in DENSE_OPS + VARLEN_OPS)
 
 
+def test_install_refuses_a_replace_existing_that_is_not_a_bool():
+    # "no" read as true, and shadowed another provider's kernels the caller meant to keep.
+    with pytest.raises(TypeError, match=r"replace_existing must be a bool, got 'no' \(str\)"):
+        cudnn_attention.install(replace_existing="no")
+    assert provider.current() is None
+
+
 def test_install_without_cuda_says_no_call_will_reach_it(monkeypatch):
     # On a CPU machine the handle said active while torch's CPU kernel ran every call, stats()["provider"] at 0, no word.
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
