@@ -157,6 +157,9 @@ def prepare_aten(
 
 def _flags(causal, bottom_right, return_lse, validate) -> tuple:
     """The call's yes/no arguments, each checked to be a bool (:func:`~cudnn_attention.validation.check_flag`)."""
+    # Plain comparisons first: this runs on every call that is not a remembered one.
+    if type(causal) is bool and type(bottom_right) is bool and type(return_lse) is bool and type(validate) is bool:
+        return causal, bottom_right, return_lse, validate
     names = ("causal", "bottom_right", "return_lse", "validate")
     return tuple(validation.check_flag(value, name) for value, name in zip((causal, bottom_right, return_lse, validate), names))
 
