@@ -134,6 +134,13 @@ class _Options(NamedTuple):
     learnable_sink: torch.Tensor | None
 
 
+def _checked(options: _Options) -> bool:
+    """Check the options the core would name otherwise (``softmax_scale`` is its ``scale``); returns whether the LSE is
+    asked for (``return_attn_probs``)."""
+    validation.resolve_scale(options.softmax_scale, 1, name="softmax_scale")
+    return validation.check_flag(options.return_attn_probs, "return_attn_probs")
+
+
 def _returned(outputs: tuple, return_attn_probs):
     # FlashAttention 2's contract: out alone, or (out, softmax_lse, S_dmask) with S_dmask None when there is no dropout.
     return (outputs[0], outputs[1], None) if return_attn_probs else outputs[0]
@@ -149,7 +156,7 @@ def _dense(q, k, v, options: _Options):
     window = _window(options.window_size, options.causal)
     for name, t in (("q", q), ("k", k), ("v", v)):
         _tensor(t, name, 4, _DENSE)
-    want_lse = bool(options.return_attn_probs)
+    want_lse = _checked(options)
 
     def compute(q, k, v, sinks):
         result = attention(
@@ -264,7 +271,7 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, opt
     window = _window(options.window_size, options.causal)
     for name, t in (("q", q), ("k", k), ("v", v)):
         _tensor(t, name, 3, _PACKED)
-    want_lse = bool(options.return_attn_probs)
+    want_lse = _checked(options)
 
     def compute(q, k, v, sinks):
         result = varlen_attention(
@@ -506,7 +513,8 @@ def flash_attn_with_kvcache(
     k_cache, v_cache = k_cache[:batch], v_cache[:batch]  # views; FlashAttention uses the first B rows likewise
     validation.check_qkv(_bshd(q), _bshd(k_cache), _bshd(v_cache), packed=False)
     validation.check_sinks(learnable_sink, q, q.shape[2])
-    validation.resolve_scale(softmax_scale, q.shape[-1])
+    validation.resolve_scale(softmax_scale, q.shape[-1], name="softmax_scale")
+    return_softmax_lse = validation.check_flag(return_softmax_lse, "return_softmax_lse")
     if (k is None) != (v is None):
         raise ValueError(
             f"k and v must be given together, got k={'None' if k is None else 'a tensor'} and v={'None' if v is None else 'a tensor'}"
@@ -532,6 +540,6 @@ def flash_attn_with_kvcache(
         bottom_right=True,
         sinks=learnable_sink,
         seqlens_kv=lengths,
-        return_lse=bool(return_softmax_lse),
+        return_lse=return_softmax_lse,
     )
     return (_bshd(result[0]), result[1]) if return_softmax_lse else _bshd(result)

@@ -93,14 +93,14 @@ def check_qkv(q, k, v, *, packed: bool) -> tuple[torch.Tensor, torch.Tensor, tor
     return _innermost_dense(q, "q"), _innermost_dense(k, "k"), _innermost_dense(v, "v")
 
 
-def resolve_scale(scale, head_dim: int) -> float:
-    """``scale`` as a float, defaulting to ``1 / sqrt(head_dim)``."""
+def resolve_scale(scale, head_dim: int, *, name: str = "scale") -> float:
+    """``scale`` as a float, defaulting to ``1 / sqrt(head_dim)``; errors call it ``name``."""
     if scale is None:
         return 1.0 / math.sqrt(head_dim)
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise TypeError(f"scale must be a float or None, got {scale!r} ({type(scale).__name__})")
+        raise TypeError(f"{name} must be a float or None, got {scale!r} ({type(scale).__name__})")
     if not math.isfinite(scale):
-        raise ValueError(f"scale must be finite, got {scale}")
+        raise ValueError(f"{name} must be finite, got {scale}")
     return float(scale)
 
 

@@ -365,6 +365,10 @@ BAD = [
     (dict(causal="yes"), TypeError, "causal must be a bool, got 'yes'"),
     (dict(deterministic=1), TypeError, "deterministic must be a bool, got 1"),
     (dict(dropout_p="0"), TypeError, "dropout_p must be a float, got '0'"),
+    # FlashAttention's names, not the core's: softmax_scale is its scale.
+    (dict(softmax_scale="0.1"), TypeError, "softmax_scale must be a float or None, got '0.1'"),
+    (dict(softmax_scale=float("inf")), ValueError, "softmax_scale must be finite, got inf"),
+    (dict(return_attn_probs="no"), TypeError, "return_attn_probs must be a bool, got 'no'"),
 ]
 
 
@@ -481,6 +485,10 @@ def test_kvcache_mismatched_new_keys_raise_and_leave_the_cache_alone():
         fai.flash_attn_with_kvcache(q, k_cache, v_cache, k, v.float(), cache_seqlens=lengths)
     with pytest.raises(ValueError, match=r"sinks must have shape \(4,\)"):
         fai.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lengths, learnable_sink=sink[:3])
+    with pytest.raises(TypeError, match="softmax_scale must be a float or None, got '0.1'"):
+        fai.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lengths, softmax_scale="0.1")
+    with pytest.raises(TypeError, match="return_softmax_lse must be a bool, got 'no'"):
+        fai.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lengths, return_softmax_lse="no")
     assert torch.equal(k_cache, before) and no_kernel_ran()
 
 
