@@ -30,9 +30,12 @@ def chunk_count(prepared: Prepared) -> int:
     """How many batch chunks cuDNN serves this call in: 1, or ``ceil(B / GRID_LIMIT)`` for a dense call whose batch
     passes :data:`~cudnn_attention.errata.GRID_LIMIT` while its heads fit, in a dtype cuDNN takes, on a device cuDNN
     may serve and a cuDNN with that limit (:func:`grid_limited_on`). Host metadata only."""
-    call, q, k = prepared.call, prepared.q, prepared.k
+    q = prepared.q
     batch = q.shape[0]
-    if call.packed or batch <= errata.GRID_LIMIT or max(q.shape[1], k.shape[1]) > errata.GRID_LIMIT:
+    if batch <= errata.GRID_LIMIT:  # first and alone: every call not remembered asks
+        return 1
+    call, k = prepared.call, prepared.k
+    if call.packed or max(q.shape[1], k.shape[1]) > errata.GRID_LIMIT:
         return 1
     # A call cuDNN cannot serve anyway takes the exact path whole: one fallback, counted once.
     if not dtypes.cudnn_serves(q.dtype, backward=call.needs_grad) or not grid_limited_on(q.device.type):
