@@ -32,7 +32,7 @@ if not torch.cuda.is_available():
 
 import cudnn_attention  # noqa: E402
 from attention_kernels import cuda_time_ms, write_table  # noqa: E402 (this folder is on sys.path when run)
-from cudnn_attention import cudnn_graphs, errata, graph_spec  # noqa: E402
+from cudnn_attention import batch_chunks, cudnn_graphs, errata, graph_spec  # noqa: E402
 from cudnn_attention.environment import versions  # noqa: E402
 from cudnn_attention.frontend import cudnn_version  # noqa: E402
 
@@ -66,8 +66,6 @@ GRID_WINDOW = (49, 4, 32)
 
 
 def _grid_rows() -> list[str]:
-    from cudnn_attention import batch_chunks
-
     S, H, D = GRID_WINDOW
     rows = []
     for label, B, chunked in (
