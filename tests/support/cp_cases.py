@@ -17,7 +17,7 @@ import torch
 
 import cudnn_attention
 from cudnn_attention import context_parallel
-from cudnn_attention.cp_sharding import shard
+from cudnn_attention.cp_sharding import shard, unshard
 
 H, H_KV, D = 4, 2, 8
 CHUNK = 6  # tokens per zigzag chunk: T = 2 N CHUNK
@@ -60,6 +60,20 @@ class Case:
     def name(self) -> str:
         parts = [self.kind, self.layout, self.mask, self.dtype, "" if self.sinks else "no_sinks", "" if self.kv_heads == H_KV else "mqa"]
         return "-".join(part for part in parts if part)
+
+
+def simulated_split(call, q, k, v, *, world_size: int, dim: int) -> tuple:
+    """``call(q, k, v)``'s results from every rank's zigzag shard of q/k/v, an N-rank split simulated in this process
+    (:class:`~cudnn_attention.context_parallel.SimulatedWorld`), put back in the row's order: what the whole call gives."""
+    world = context_parallel.SimulatedWorld(world_size)
+    shards = [[shard(t, world_size=world_size, rank=r, dim=dim) for r in range(world_size)] for t in (q, k, v)]
+    world.share(shards[1])
+    world.share(shards[2])
+    parts = []
+    for r in range(world_size):
+        with context_parallel.over(collectives=world.rank(r)):
+            parts.append(call(shards[0][r], shards[1][r], shards[2][r]))
+    return tuple(unshard([part[i] for part in parts], dim=dim) for i in range(len(parts[0])))
 
 
 def core_cases(world_size: int) -> list[Case]:

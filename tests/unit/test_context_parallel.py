@@ -19,7 +19,7 @@ import torch
 import cudnn_attention
 from cudnn_attention import context_parallel, cp_state
 from cudnn_attention.cp_sharding import check_shardable, gather_rows, plan_rank, shard, shard_positions, unshard
-from support.cp_cases import BAD_CASES, MASKS, core_cases
+from support.cp_cases import BAD_CASES, MASKS, core_cases, simulated_split
 from support.cp_launch import run_suite
 
 WORLD_SIZES = (2, 4)
@@ -216,15 +216,7 @@ def _simulated(api: str, N: int, options: dict, *, dtype=torch.float64, seed=0):
         return cudnn_attention.attention(q, k, v, sinks=sinks, return_lse=True, **options)
 
     whole = call(q, k, v)
-    world = context_parallel.SimulatedWorld(N)
-    shards = [[shard(t, world_size=N, rank=r, dim=dim) for r in range(N)] for t in (q, k, v)]
-    world.share(shards[1])
-    world.share(shards[2])
-    parts = []
-    for r in range(N):
-        with context_parallel.over(collectives=world.rank(r)):
-            parts.append(call(shards[0][r], shards[1][r], shards[2][r]))
-    split = tuple(unshard([part[i] for part in parts], dim=dim) for i in range(2))
+    split = simulated_split(call, q, k, v, world_size=N, dim=dim)
     weights = [torch.randn_like(t) for t in whole]
 
     def grads(result):

@@ -19,8 +19,7 @@ import pytest
 import torch
 
 import cudnn_attention
-from cudnn_attention import context_parallel
-from cudnn_attention.cp_sharding import shard, unshard
+from support.cp_cases import simulated_split
 
 CASES = int(os.environ.get("CUDNN_ATTENTION_CP_FUZZ", "150"))
 
@@ -62,15 +61,7 @@ def _run(case: dict, seed: int):
         return cudnn_attention.attention(q, k, v, **options)
 
     whole = call(q, k, v)
-    world = context_parallel.SimulatedWorld(N)
-    shards = [[shard(t, world_size=N, rank=r, dim=dim) for r in range(N)] for t in (q, k, v)]
-    world.share(shards[1])
-    world.share(shards[2])
-    parts = []
-    for r in range(N):
-        with context_parallel.over(collectives=world.rank(r)):
-            parts.append(call(shards[0][r], shards[1][r], shards[2][r]))
-    split = tuple(unshard([part[i] for part in parts], dim=dim) for i in range(2))
+    split = simulated_split(call, q, k, v, world_size=N, dim=dim)
     weights = [torch.randn_like(t) for t in whole]
     leaves = (q, k, v) if sinks is None else (q, k, v, sinks)
 
