@@ -1,7 +1,8 @@
 """A dense call whose batch passes cuDNN's grid limit is served as batch chunks that each fit (``batch_chunks``), and gives
 what one call would: on the CPU with the limit lowered to 3 and resolve and kernel stood in for (``served_on_cpu``), a
 chunked call's outputs, LSE, dQ, dK and dV equal the whole call's bit for bit (the sinks' gradient, summed over the
-chunks, to float32 reassociation), in the whole call's memory layout. Calls the limit does not touch, or that cuDNN cannot serve anyway, stay whole."""
+chunks, to float32 reassociation), in the whole call's memory layout. Calls the limit does not touch, or that cuDNN
+cannot serve anyway, stay whole."""
 
 import pytest
 import torch
