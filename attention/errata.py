@@ -211,7 +211,9 @@ ERRATA = (
         ),
         first=None,
         fixed=None,
-        seen_on="9.2.0 (H100, upstream: torch's cuDNN SDPA at B 65,536); later versions unchecked, treated as affected",
+        seen_on="9.2.0 (H100, upstream: torch's cuDNN SDPA at B 65,536); 9.19.0 (H100, this project, 2026-12-05: forward "
+        "and backward fail at execution at B 65,536, 131,072 and 300,000 and at 65,536 heads, B 65,535 runs right; the "
+        "forward alone at B 65,536 ran right, so the backward has the limit at least); others unchecked, treated as affected",
         report="https://github.com/pytorch/pytorch/issues/181085, https://github.com/pytorch/pytorch/pull/180718 (torch's "
         "own cuDNN path refuses a batch or head count above 65,535)",
         action=REFUSE,

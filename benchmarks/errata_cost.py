@@ -132,8 +132,8 @@ def main(argv=None) -> list[str]:
     found = versions()
     version = cudnn_version()
     lines = [
-        f"H200 errata workaround cost: torch {found['torch']}, cuDNN {errata.version_text(version)} (frontend {found['cudnn_frontend']}), "
-        f"bf16, non-causal, fwd+bwd ms (median of 15 means of 10 calls)",
+        f"{found['gpu']} errata workaround cost: torch {found['torch']}, cuDNN {errata.version_text(version)} "
+        f"(frontend {found['cudnn_frontend']}), bf16, non-causal, fwd+bwd ms (median of 15 means of 10 calls)",
         "",
         "| S_q, S_kv, B, H/H_kv, D | as served | bug's graph | ratio | band over every key | S_kv - 64 | S_kv + 64 |",
         "|---|---|---|---|---|---|---|",

@@ -147,15 +147,23 @@ _PAST_THE_GRID = """
 import torch, cudnn_attention
 from cudnn_attention import errata
 errata.ERRATA = tuple(e for e in errata.ERRATA if e.key != "batch-or-heads-over-65535")
-q, k, v = (torch.randn(65536, 1, 16, 32, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+torch.manual_seed(0)
+q, k, v = (torch.randn(65536, 1, 16, 32, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+step = "forward"
 try:
     with cudnn_attention.strict():
         out = cudnn_attention.attention(q, k, v)
+        torch.cuda.synchronize()
+        step = "backward"
+        grads = torch.autograd.grad(out.float().square().sum(), (q, k, v))
     torch.cuda.synchronize()
-    ref = torch.softmax((q.float() @ k.float().transpose(-1, -2)) * 32**-0.5, -1) @ v.float()
-    print("ran", "right" if (out.float() - ref).abs().max().item() < 0.05 else "wrong")
+    leaves = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    ref = torch.softmax((leaves[0] @ leaves[1].transpose(-1, -2)) * 32**-0.5, -1) @ leaves[2]
+    refs = (ref, *torch.autograd.grad(ref.square().sum(), leaves))
+    errs = [(got.float() - want).abs().max().item() for got, want in zip((out, *grads), refs)]
+    print("ran", "right" if max(errs) < 0.1 else f"wrong {errs}")
 except Exception as exc:
-    print("failed", type(exc).__name__, str(exc)[:200])
+    print("failed in the", step, type(exc).__name__, str(exc)[:200].replace("\\n", " "))
 """
 
 
@@ -167,4 +175,6 @@ def test_the_grid_limit_matches_the_loaded_cudnn():
     said = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else f"exit {result.returncode}: {result.stderr[-500:]}"
     served = said.startswith("ran right")
     version = errata.version_text(cudnn_version())
-    assert served != erratum.applies_to(cudnn_version()), f"cuDNN {version}: the table says the grid limit applies; B 65,536: {said}"
+    assert served != erratum.applies_to(cudnn_version()), (
+        f"cuDNN {version}: the table says the grid limit applies; B 65,536 forward and backward: {said}"
+    )

@@ -105,11 +105,18 @@ def _inputs(case: dict, seed: int):
 @pytest.mark.parametrize("sink_forward", ["fold", "engine"])
 @pytest.mark.parametrize("name", list(CASES))
 def test_packed_sinks_match_the_float64_reference(name, sink_forward, monkeypatch):
+    case = CASES[name]
+    t_q, t_kv = (sum(case.get(key, case["docs_q"])) + case.get("tail", 0) for key in ("docs_q", "docs_kv"))
+    # The float64 reference holds about eight (H, T_q, T_kv) matrices at its backward's peak (measured: te-3249, 10.9
+    # GiB each, ran out of an 80 GB H100's memory at the seventh).
+    needed = 8 * case["heads"][0] * t_q * t_kv * 8
+    if needed > torch.cuda.get_device_properties(0).total_memory:
+        pytest.skip(f"its float64 reference needs about {needed / 2**30:.0f} GiB, more than this GPU has")
     monkeypatch.setattr(plans, "sink_forward", lambda: sink_forward)
     cudnn_graphs.clear_cache()
     for seed in range(3):
         cudnn_attention.reset_stats()
-        args, kwargs, grads = _inputs(CASES[name], seed)
+        args, kwargs, grads = _inputs(case, seed)
         result = evaluate_call("varlen", args, kwargs, grads=grads)
         stats = cudnn_attention.stats()
         assert stats["cudnn_forward"] == 1 and not stats["fallback_forward"], stats
