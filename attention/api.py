@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from . import batch_chunks, cp_state, validation
+from . import batch_chunks, cp_state, head_groups, validation
 from . import plan as plans
 from .call import NO_LENGTHS, Prepared, packed_lengths, padding_lengths
 from .call_keys import argument_options, served_key
@@ -221,7 +221,8 @@ def varlen_attention(
 def serve(prepared: Prepared, *, plan=None):
     """``(out, lse)`` for a prepared call: cuDNN when it can serve it, else the exact path, counted and warned
     about once per reason (and refused in strict mode). An empty call is no fallback. A dense batch past cuDNN's grid
-    limit is served as chunks that fit, each a call of its own (:mod:`~cudnn_attention.batch_chunks`).
+    limit is served as chunks that fit, each a call of its own (:mod:`~cudnn_attention.batch_chunks`), and a call whose
+    backward passes cuDNN's element limit as groups of heads (:mod:`~cudnn_attention.head_groups`).
 
     ``plan``: already resolved for this call (a remembered key's). Otherwise the call is resolved, and its plan
     remembered under ``prepared.key`` when cuDNN serves it.
@@ -232,6 +233,9 @@ def serve(prepared: Prepared, *, plan=None):
         count = 1 if empty else batch_chunks.chunk_count(prepared)
         if count > 1:
             return batch_chunks.joined([serve(part) for part in batch_chunks.chunks(prepared, count)])
+        count = 1 if empty else head_groups.group_count(prepared)
+        if count > 1:
+            return head_groups.joined([serve(part) for part in head_groups.groups(prepared, count)])
         plan, reason = (None, None) if empty else plans.resolve(q, k, v, call)
         if plan is not None and prepared.key is not None:
             memoize(prepared.key, (call, plan), plan.specs)

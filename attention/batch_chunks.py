@@ -21,6 +21,7 @@ import torch
 from . import dtypes, errata
 from .call import Lengths, Prepared
 from .frontend import cudnn_version
+from .layouts import joined_results
 from .plan import device_unservable_reason
 
 __all__ = ["chunk_count", "chunks", "grid_limited_on", "joined"]
@@ -68,17 +69,6 @@ def chunks(prepared: Prepared, count: int) -> list[Prepared]:
 
 
 def joined(parts: list) -> tuple:
-    """The whole call's results from its chunks' result tuples (``(out, lse)``, or the provider's ``(dq, dk, dv)``): each
-    position concatenated along the batch in the memory order of the first chunk's tensor there (a (B, S, H, D) buffer
-    seen as (B, H, S, D) stays one), None where a chunk has none (an LSE not asked for). Differentiable: each chunk's
-    output gets its slice of the gradient."""
-    return tuple(None if any(t is None or t.numel() == 0 for t in position) else _cat_batch(list(position)) for position in zip(*parts))
-
-
-def _cat_batch(tensors: list) -> torch.Tensor:
-    # Concatenating the tensors permuted to their memory order (outermost dimension first) writes one compact tensor in
-    # that order; permuting it back gives the chunks' own layout, which a plain cat along dim 0 would make contiguous.
-    strides = tensors[0].stride()
-    order = sorted(range(tensors[0].dim()), key=lambda dim: (-strides[dim], dim))
-    whole = torch.cat([t.permute(order) for t in tensors], dim=order.index(0))
-    return whole.permute([order.index(dim) for dim in range(len(order))])
+    """The whole call's results from its chunks' result tuples, joined along the batch in the memory order of the first's
+    (:func:`~cudnn_attention.layouts.joined_results`)."""
+    return joined_results(parts, 0)

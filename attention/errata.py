@@ -25,7 +25,21 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import NamedTuple
 
-__all__ = ["ERRATA", "GRID_LIMIT", "REFUSE", "REROUTE", "UNMET", "Erratum", "applying", "grid_limited", "matching", "version_text"]
+__all__ = [
+    "ELEMENT_LIMIT",
+    "ERRATA",
+    "GRID_LIMIT",
+    "REFUSE",
+    "REROUTE",
+    "UNMET",
+    "Erratum",
+    "applying",
+    "element_limited",
+    "grid_limited",
+    "matching",
+    "past_element_limit",
+    "version_text",
+]
 
 REROUTE, REFUSE, UNMET = "reroute", "refuse", "none"
 
@@ -118,6 +132,28 @@ GRID_LIMIT = 65535
 
 def _batch_or_heads_past_the_grid(spec) -> bool:
     return max(spec.batch, spec.heads_q, spec.heads_kv) > GRID_LIMIT
+
+
+# The most elements a backward's tensor may hold (entry backward-past-2**31-elements): cuDNN 9.19 gets dQ and dK wrong in
+# every row from element 2**31 of q on. Calls past it are served in head groups that stay below (head_groups).
+ELEMENT_LIMIT = 2**31
+
+
+def past_element_limit(*, rows_q: int, rows_kv: int, heads_q: int, heads_kv: int, dim_qk: int, dim_v: int) -> bool:
+    """Whether a backward of these sizes has a tensor of more than :data:`ELEMENT_LIMIT` elements: q, O, dO and dQ (and
+    cuDNN's float32 dQ accumulator) hold ``rows_q x heads_q`` rows, K, V and their gradients ``rows_kv x heads_kv``, each
+    of at most ``max(dim_qk, dim_v)`` elements. Rows: B x S of a dense call, the token bucket of a packed one
+    (:func:`cudnn_attention.layouts.backward_rows`)."""
+    return max(rows_q * heads_q, rows_kv * heads_kv) * max(dim_qk, dim_v) > ELEMENT_LIMIT
+
+
+def _backward_past_element_limit(spec) -> bool:
+    if spec.direction != "backward":
+        return False
+    rows_q, rows_kv = (spec.total_q, spec.total_kv) if spec.packed else (spec.batch * spec.seq_q, spec.batch * spec.seq_kv)
+    return past_element_limit(
+        rows_q=rows_q, rows_kv=rows_kv, heads_q=spec.heads_q, heads_kv=spec.heads_kv, dim_qk=spec.dim_qk, dim_v=spec.dim_v
+    )
 
 
 _PADDED_VARIANT = (
@@ -230,6 +266,30 @@ ERRATA = (
         affects=_batch_or_heads_past_the_grid,
     ),
     Erratum(
+        key="backward-past-2**31-elements",
+        what=(
+            "Backward whose q holds more than 2**31 elements (rows x heads x head dim; a gpt-oss-shaped packed batch, 64 "
+            "heads x 64, passes it at 524,288 tokens): wrong dQ and dK in every row from element 2**31 of q on, no error "
+            "raised; the rows before it, the output and dV are right."
+        ),
+        first=None,
+        fixed=92801,
+        seen_on="9.19.0 (H100, this project, 2026-12-05: packed, 516 documents of 1,024 tokens, H 64/8, D 64, sinks, causal "
+        "window 128: in documents 512 and 515 dQ 139x and 64x the tests' bound, dK 80x and 100x; documents 0-511 within "
+        "it; the first half of the heads, views of the same tensors, within it everywhere); clean on 9.28.1 (the same "
+        "data and machine); 9.20-9.28.0 and dense graphs unchecked, treated as affected",
+        report="this project's finding (docs/decisions/0024-backward-past-2-31-elements.md)",
+        action=REFUSE,
+        workaround=(
+            "a call whose backward would pass it runs on cuDNN as head groups that each stay below (cudnn_attention."
+            "head_groups: views of q, k, v and the sinks, each group of query heads with the kv heads it reads; the output "
+            "is copied once more); a backward graph past it is refused before it is built, so a call no grouping brings "
+            "below (one kv head's share still past it) takes the exact path (counted, warned about once, refused in strict mode)"
+        ),
+        test="tests/unit/test_head_groups.py, tests/gpu/test_gpu_large_offsets.py",
+        affects=_backward_past_element_limit,
+    ),
+    Erratum(
         key="float32-output-forward",
         what="The sink-less forward writes wrong values when asked for a float32 output.",
         first=91900,
@@ -261,3 +321,9 @@ def grid_limited(version: int | None) -> bool:
     """Whether the cuDNN ``version`` has the grid limit: entry ``batch-or-heads-over-65535`` is in the table and its range
     holds ``version`` (an unknown one: yes)."""
     return any(e.key == "batch-or-heads-over-65535" and e.applies_to(version) for e in ERRATA)
+
+
+def element_limited(version: int | None) -> bool:
+    """Whether the cuDNN ``version`` gets a backward past :data:`ELEMENT_LIMIT` elements wrong: entry
+    ``backward-past-2**31-elements`` is in the table and its range holds ``version`` (an unknown one: yes)."""
+    return any(e.key == "backward-past-2**31-elements" and e.applies_to(version) for e in ERRATA)

@@ -14,7 +14,7 @@ import torch
 from . import errata
 from .call import AttentionCall
 from .frontend import cudnn_version
-from .layouts import MIN_SEQ_BUCKET, like_layout_strides, packed_bounds, shape_bucket, thd_descriptor_strides
+from .layouts import backward_rows, like_layout_strides, packed_bounds, thd_descriptor_strides
 from .masking import MaskSpec
 
 __all__ = ["GraphSpec", "spec_for"]
@@ -73,10 +73,11 @@ def spec_for(direction: str, call: AttentionCall, q, k, v, *, deterministic: boo
             o_strides=(S_q * H * D_v, D_v, H * D_v, 1),
         )
         if backward:
+            total_q, total_kv = backward_rows(packed=True, q=q, k=k)
             extra = dict(
                 grad_strides=((S_q * H * D, D, H * D, 1), (S_kv * H_kv * D, D, H_kv * D, 1), (S_kv * H_kv * D_v, D_v, H_kv * D_v, 1)),
-                total_q=shape_bucket(q.shape[0], MIN_SEQ_BUCKET),
-                total_kv=shape_bucket(k.shape[0], MIN_SEQ_BUCKET),
+                total_q=total_q,
+                total_kv=total_kv,
             )
     else:
         batch, S_q, S_kv = q.shape[0], q.shape[2], k.shape[2]

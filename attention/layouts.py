@@ -13,6 +13,9 @@ from .errata import GRID_LIMIT
 __all__ = [
     "allocate_backward_outputs",
     "allocate_forward_outputs",
+    "backward_rows",
+    "cat_in_memory_order",
+    "joined_results",
     "like_layout_strides",
     "packed_bounds",
     "shape_bucket",
@@ -81,6 +84,34 @@ MIN_SEQ_BUCKET = 64
 
 def _power_of_two_at_least(n: int) -> int:
     return 1 << (max(n, 1) - 1).bit_length()
+
+
+def backward_rows(*, packed: bool, q: torch.Tensor, k: torch.Tensor) -> tuple[int, int]:
+    """``(rows_q, rows_kv)`` a backward graph is sized for: B x S of a dense (B, H, S, D) call, the token buckets of a
+    packed (T, H, D) one (which size cuDNN's dQ accumulator: the graph's ``max_total_seq_len``)."""
+    if packed:
+        return shape_bucket(q.shape[0], MIN_SEQ_BUCKET), shape_bucket(k.shape[0], MIN_SEQ_BUCKET)
+    return q.shape[0] * q.shape[2], k.shape[0] * k.shape[2]
+
+
+def cat_in_memory_order(tensors: list[torch.Tensor], dim: int) -> torch.Tensor:
+    """``tensors`` concatenated along ``dim`` into one tensor laid out in the memory order of the first (a (B, S, H, D)
+    buffer seen as (B, H, S, D) stays one), where a plain ``torch.cat`` would make it contiguous in the dims' order."""
+    # Concatenating the tensors permuted to their memory order (outermost dimension first) writes one compact tensor in
+    # that order; permuting it back gives the parts' own layout.
+    strides = tensors[0].stride()
+    order = sorted(range(tensors[0].dim()), key=lambda d: (-strides[d], d))
+    whole = torch.cat([t.permute(order) for t in tensors], dim=order.index(dim))
+    return whole.permute([order.index(d) for d in range(len(order))])
+
+
+def joined_results(parts: list, dim: int) -> tuple:
+    """One call's results from its pieces' result tuples (``(out, lse)``, or the provider's ``(dq, dk, dv, dsinks)``):
+    each position concatenated along ``dim`` by :func:`cat_in_memory_order`, None where a piece has none (an LSE not
+    asked for). Differentiable: each piece's output gets its slice of the gradient."""
+    return tuple(
+        None if any(t is None or t.numel() == 0 for t in position) else cat_in_memory_order(list(position), dim) for position in zip(*parts)
+    )
 
 
 def packed_bounds(*, documents: int, max_seqlen: int, tokens: int) -> tuple[int, int]:

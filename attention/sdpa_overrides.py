@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import batch_chunks, validation
+from . import batch_chunks, head_groups, validation
 from . import plan as plans
 from .call import Prepared
 from .cudnn_ops import cudnn_backward
@@ -70,13 +70,25 @@ def _resolve(query, key, value, **arguments) -> tuple[Prepared | None, str | Non
     call = prepared.call
     if validation.nothing_to_compute(prepared.q, prepared.k, max_seqlen_q=call.max_seqlen_q, max_seqlen_kv=call.max_seqlen_kv):
         return prepared, "empty inputs"
-    count = batch_chunks.chunk_count(prepared)
-    # A batch past cuDNN's grid limit is served in chunks (_forward, _backward): each must resolve.
-    for part in [prepared] if count == 1 else batch_chunks.chunks(prepared, count):
+    # A batch past cuDNN's grid limit is served in chunks, a backward past its element limit in head groups (_forward,
+    # _backward): each must resolve.
+    for part in _parts(prepared)[0]:
         _plan, reason = plans.resolve(part.q, part.k, part.v, call)
         if reason is not None:
             return prepared, reason
     return prepared, None
+
+
+def _parts(prepared: Prepared) -> tuple[list[Prepared], object]:
+    """``(parts, module)``: the batch chunks (:mod:`~cudnn_attention.batch_chunks`) or head groups
+    (:mod:`~cudnn_attention.head_groups`) cuDNN serves the call in and the module that joins them, or ``([prepared], None)``."""
+    count = batch_chunks.chunk_count(prepared)
+    if count > 1:
+        return batch_chunks.chunks(prepared, count), batch_chunks
+    count = head_groups.group_count(prepared)
+    if count > 1:
+        return head_groups.groups(prepared, count), head_groups
+    return [prepared], None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -347,22 +359,25 @@ def _varlen_resolve(call: VarlenCall) -> tuple[Prepared | None, str | None]:
 
 def _forward(prepared: Prepared):
     """``(out, lse)`` of a prepared call through the forward op (the provider's kernels sit below torch's autograd); a
-    batch past cuDNN's grid limit in chunks (:mod:`~cudnn_attention.batch_chunks`), ``lse`` None unless asked for then."""
-    count = batch_chunks.chunk_count(prepared)
-    if count > 1:
-        return batch_chunks.joined([_forward(part) for part in batch_chunks.chunks(prepared, count)])
+    batch past cuDNN's grid limit in chunks, a call whose backward passes its element limit in head groups (:func:`_parts`),
+    ``lse`` None unless asked for then."""
+    parts, pieces = _parts(prepared)
+    if pieces is not None:
+        return pieces.joined([_forward(part) for part in parts])
     return torch.ops.cudnn_attention.forward(
         prepared.q, prepared.k, prepared.v, need_lse=prepared.call.need_lse, **op_args(prepared.call, prepared.lengths, None)
     )
 
 
 def _backward(prepared: Prepared, grad_out, out, lse):
-    """dQ, dK, dV through the backward op (in chunks where :func:`_forward` chunked). torch's autograd formulas for these
+    """dQ, dK, dV through the backward op (in batch chunks or head groups where :func:`_parts` says so; the incoming
+    gradient, output and LSE cut alike). torch's autograd formulas for these
     ops declare their LSE non-differentiable and ignore its gradient, so there is none to pass on."""
-    count = batch_chunks.chunk_count(prepared)
-    if count > 1:
-        rows = zip(*(torch.tensor_split(t, count, dim=0) for t in (grad_out, out, lse)))
-        return batch_chunks.joined([_backward(part, *row) for part, row in zip(batch_chunks.chunks(prepared, count), rows)])
+    parts, pieces = _parts(prepared)
+    if pieces is not None:
+        dim = 0 if pieces is batch_chunks else head_groups.HEADS
+        rows = zip(*(torch.tensor_split(t, len(parts), dim=dim) for t in (grad_out, out, lse)))
+        return pieces.joined([_backward(part, *row) for part, row in zip(parts, rows)])
     return cudnn_backward(grad_out, prepared.q, prepared.k, prepared.v, out, lse, call=prepared.call, lengths=prepared.lengths)
 
 

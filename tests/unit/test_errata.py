@@ -154,14 +154,17 @@ def test_the_doctor_lists_the_loaded_versions_entries_and_what_a_newer_cudnn_fix
     assert len(doctor.known_issues(None)) == len(errata.ERRATA)
     advice = doctor.newer_cudnn_advice(V919, "13.0")
     assert any("dq-nan-kv-64-mod-128" in line and "9.26.0" in line for line in advice)
-    assert any("pip install -U 'nvidia-cudnn-cu13>=9.26.0'" in line for line in advice)
+    # The newest fix among them: 9.28.1 (backward-past-2**31-elements), which also measured fastest.
+    assert any("backward-past-2**31-elements" in line and "9.28.1" in line for line in advice)
+    assert any("pip install -U 'nvidia-cudnn-cu13>=9.28.1'" in line for line in advice)
     # What pip did over torch 2.15.0+cu132's pin (9.26.0.51), measured: an ERROR line, exit status 0, and a later
     # `pip install accelerate` would put 9.26.0.51 back.
     assert any("which is incompatible" in line and "puts the pinned version back" in line for line in advice)
     (speed,) = [line for line in advice if line.startswith("speed on an H200")]
     assert "9.27.0: fwd+bwd 0.80-1.02x" in speed and "9.28.1: fwd+bwd 1.04-1.07x" in speed
     assert speed.endswith("later versions not measured here")
-    assert doctor.newer_cudnn_advice(V926, "12.8") == [] and doctor.newer_cudnn_advice(None, None) == []
+    assert any("pip install -U 'nvidia-cudnn-cu12>=9.28.1'" in line for line in doctor.newer_cudnn_advice(V926, "12.8"))
+    assert doctor.newer_cudnn_advice(92801, "12.8") == [] and doctor.newer_cudnn_advice(None, None) == []
 
 
 def test_the_grid_limit_refuses_only_past_65535_and_packed_bounds_stay_within_it():

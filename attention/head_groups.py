@@ -1,0 +1,83 @@
+"""Calls whose backward passes 2**31 elements, served as groups of heads that each stay below.
+
+cuDNN 9.19's backward gets dQ and dK wrong in every row from element 2**31 of q on, with no error (errata entry
+``backward-past-2**31-elements``): a gpt-oss-shaped packed batch (64 query heads x 64) reaches that at 524,288 tokens.
+The first half of the heads of the same call, views of the same tensors, came out right. Heads are independent (a query
+head reads only its kv head), so such a call is the same call on consecutive groups of heads, each group of query heads
+with the kv heads it reads: :func:`group_count` says how many, :func:`groups` cuts the prepared call (views, no copy),
+and :func:`joined` puts the groups' outputs back together along the heads. Each group is an ordinary call: it resolves,
+runs its backward and falls back on its own, and autograd gives each group's slice of the sinks its gradient.
+
+What a grouped call costs beyond its groups: one copy of the output (and of the LSE when asked for) into the joined
+tensor. Only calls that will run a backward are grouped (the forward was right past the limit), and only on a cuDNN
+whose version has the entry. A call that no grouping brings below (one kv head's share still past it) stays whole,
+and its backward graph is refused: the exact path.
+
+Legend: B batch, T tokens, H heads, S sequence, D head dim.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import dtypes, errata
+from .call import Prepared
+from .frontend import cudnn_version
+from .layouts import backward_rows, joined_results
+from .plan import device_unservable_reason
+
+__all__ = ["HEADS", "element_limited_on", "group_count", "groups", "joined"]
+
+HEADS = 1  # the heads' dimension of q, k, v, the output and the LSE: dense (B, H, S, D), packed (T, H, D)
+
+
+def group_count(prepared: Prepared) -> int:
+    """How many head groups cuDNN serves this call in: 1, or the fewest groups (a divisor of H_kv) whose backward stays
+    within :data:`~cudnn_attention.errata.ELEMENT_LIMIT`, for a call that will run a backward past it in a dtype cuDNN
+    takes, on a device cuDNN may serve and a cuDNN with the entry (:func:`element_limited_on`). Host metadata only."""
+    call = prepared.call
+    if not call.needs_grad:  # first and alone: a forward-only call never asks
+        return 1
+    q, k, v = prepared.q, prepared.k, prepared.v
+    # Every call that runs a backward asks, so a bound from the element counts comes first: a graph's rows are at most
+    # twice a tensor's, or 64 (layouts.backward_rows), and O and dO hold D_v / D of q's elements.
+    q_shape, dim_v = q.shape, v.shape[-1]
+    dim_qk = q_shape[-1]
+    if max(2 * max(q.numel(), k.numel()) // max(dim_qk, 1), 64 * q_shape[HEADS]) * max(dim_qk, dim_v) <= errata.ELEMENT_LIMIT:
+        return 1
+    rows_q, rows_kv = backward_rows(packed=call.packed, q=q, k=k)
+    sizes = dict(rows_q=rows_q, rows_kv=rows_kv, dim_qk=dim_qk, dim_v=dim_v)
+    heads_q, heads_kv = q_shape[HEADS], k.shape[HEADS]
+    if not errata.past_element_limit(heads_q=heads_q, heads_kv=heads_kv, **sizes):
+        return 1
+    # A call cuDNN cannot serve anyway takes the exact path whole: one fallback, counted once.
+    if not dtypes.cudnn_serves(q.dtype, backward=True) or not element_limited_on(q.device.type):
+        return 1
+    for count in range(2, heads_kv + 1):
+        if heads_kv % count == 0 and not errata.past_element_limit(heads_q=heads_q // count, heads_kv=heads_kv // count, **sizes):
+            return count
+    return 1
+
+
+# Constant for the process (the device type's frontend, the library it loaded), so torch.compile reads it once while
+# tracing instead of tracing into the frontend's loading.
+@torch.compiler.assume_constant_result
+def element_limited_on(device_type: str) -> bool:
+    """Whether cuDNN may serve calls on ``device_type`` and the cuDNN it loaded gets a backward past the element limit
+    wrong (:func:`~cudnn_attention.errata.element_limited`)."""
+    return device_unservable_reason(device_type) is None and errata.element_limited(cudnn_version())
+
+
+def groups(prepared: Prepared, count: int) -> list[Prepared]:
+    """``prepared`` cut into ``count`` consecutive groups of heads (views of its tensors): group i holds query heads
+    ``[i H / count, (i + 1) H / count)``, the kv heads ``[i H_kv / count, ...)`` they read (``count`` divides H_kv) and
+    their sinks. The groups carry no served key: a key names the whole call's shapes."""
+    q_parts, k_parts, v_parts = (torch.tensor_split(t, count, dim=HEADS) for t in (prepared.q, prepared.k, prepared.v))
+    sink_parts = [None] * count if prepared.sinks is None else torch.tensor_split(prepared.sinks, count)
+    return [Prepared(prepared.call, *parts, prepared.lengths) for parts in zip(q_parts, k_parts, v_parts, sink_parts)]
+
+
+def joined(parts: list) -> tuple:
+    """The whole call's results from its groups' result tuples, joined along the heads in the memory order of the first's
+    (:func:`~cudnn_attention.layouts.joined_results`)."""
+    return joined_results(parts, HEADS)
