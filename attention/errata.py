@@ -286,7 +286,8 @@ ERRATA = (
             "is copied once more); a backward graph past it is refused before it is built, so a call no grouping brings "
             "below (one kv head's share still past it) takes the exact path (counted, warned about once, refused in strict mode)"
         ),
-        test="tests/unit/test_head_groups.py, tests/gpu/test_gpu_large_offsets.py",
+        test="tests/unit/test_head_groups.py, tests/gpu/test_gpu_head_groups.py, tests/gpu/test_gpu_large_offsets.py, "
+        "tests/gpu/test_gpu_provider.py::test_a_backward_past_the_element_limit_is_served_in_head_groups",
         affects=_backward_past_element_limit,
     ),
     Erratum(

@@ -9,9 +9,10 @@ and :func:`joined` puts the groups' outputs back together along the heads. Each 
 runs its backward and falls back on its own, and autograd gives each group's slice of the sinks its gradient.
 
 What a grouped call costs beyond its groups: one copy of the output (and of the LSE when asked for) into the joined
-tensor. Only calls that will run a backward are grouped (the forward was right past the limit), and only on a cuDNN
-whose version has the entry. A call that no grouping brings below (one kv head's share still past it) stays whole,
-and its backward graph is refused: the exact path.
+tensor; through the provider's ops, whose backward gets the joined output, one more copy of it back into the groups'
+layouts (:func:`saved_heads`). Only calls that will run a backward are grouped (the forward was right past the limit),
+and only on a cuDNN whose version has the entry. A call that no grouping brings below (one kv head's share still past
+it) stays whole, and its backward graph is refused: the exact path.
 
 Legend: B batch, T tokens, H heads, S sequence, D head dim.
 """
@@ -23,10 +24,10 @@ import torch
 from . import dtypes, errata
 from .call import Prepared
 from .frontend import cudnn_version
-from .layouts import backward_rows, joined_results
+from .layouts import backward_rows, joined_results, like_layout_strides
 from .plan import device_unservable_reason
 
-__all__ = ["HEADS", "element_limited_on", "group_count", "groups", "joined"]
+__all__ = ["HEADS", "element_limited_on", "group_count", "groups", "joined", "saved_heads"]
 
 HEADS = 1  # the heads' dimension of q, k, v, the output and the LSE: dense (B, H, S, D), packed (T, H, D)
 
@@ -75,6 +76,24 @@ def groups(prepared: Prepared, count: int) -> list[Prepared]:
     q_parts, k_parts, v_parts = (torch.tensor_split(t, count, dim=HEADS) for t in (prepared.q, prepared.k, prepared.v))
     sink_parts = [None] * count if prepared.sinks is None else torch.tensor_split(prepared.sinks, count)
     return [Prepared(prepared.call, *parts, prepared.lengths) for parts in zip(q_parts, k_parts, v_parts, sink_parts)]
+
+
+def saved_heads(parts: list[Prepared], grad_out: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> list[tuple]:
+    """Per group, its heads of a whole call's backward inputs (the provider's backward op gets the joined output and
+    LSE): the incoming gradient as a view, the output and the LSE copied into the layouts the group's own forward would
+    have written, which its backward graph reads (an output compact in q's dimension order, a contiguous LSE); the
+    heads of one tensor are not a compact tensor. Packed outputs are always (T, H, D_v) contiguous
+    (:func:`~cudnn_attention.layouts.allocate_forward_outputs`)."""
+    saved = []
+    pieces = (torch.tensor_split(t, len(parts), dim=HEADS) for t in (grad_out, out, lse))
+    for part, grad_out_part, out_part, lse_part in zip(parts, *pieces):
+        if part.call.packed:
+            laid_out = out_part.contiguous()
+        else:
+            strides = like_layout_strides(tuple(out_part.shape), part.q)
+            laid_out = torch.empty_strided(out_part.shape, strides, dtype=out_part.dtype, device=out_part.device).copy_(out_part)
+        saved.append((grad_out_part, laid_out, lse_part.contiguous()))
+    return saved
 
 
 def joined(parts: list) -> tuple:

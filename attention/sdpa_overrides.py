@@ -374,10 +374,11 @@ def _backward(prepared: Prepared, grad_out, out, lse):
     gradient, output and LSE cut alike). torch's autograd formulas for these
     ops declare their LSE non-differentiable and ignore its gradient, so there is none to pass on."""
     parts, pieces = _parts(prepared)
-    if pieces is not None:
-        dim = 0 if pieces is batch_chunks else head_groups.HEADS
-        rows = zip(*(torch.tensor_split(t, len(parts), dim=dim) for t in (grad_out, out, lse)))
+    if pieces is batch_chunks:
+        rows = zip(*(torch.tensor_split(t, len(parts), dim=0) for t in (grad_out, out, lse)))
         return pieces.joined([_backward(part, *row) for part, row in zip(parts, rows)])
+    if pieces is head_groups:
+        return pieces.joined([_backward(part, *saved) for part, saved in zip(parts, head_groups.saved_heads(parts, grad_out, out, lse))])
     return cudnn_backward(grad_out, prepared.q, prepared.k, prepared.v, out, lse, call=prepared.call, lengths=prepared.lengths)
 
 

@@ -16,7 +16,9 @@ first run (B 1 and 2 at S 576 and 1088, 2026-12-05) timed host work, and its two
 The cuDNN version the frontend loaded is in the header; on a version the table calls unaffected both rows are one graph.
 A second table times the errata whose graphs are refused (their calls take the exact path) beside the nearest call cuDNN
 serves, and names the path each took. A third times the grid limit's workaround: a batch one past 65,535 served as two
-chunks, beside the limit itself (one graph) and beside the exact path that served such batches before the chunks.
+chunks, beside the limit itself (one graph) and beside the exact path that served such batches before the chunks. A
+fourth times the element limit's: a packed call past 2**31 elements of q served as head groups, beside the same call
+whole (the graph that is wrong below 9.28.1, timed on ordinary data) and beside half of it (about 30 GB at most).
 """
 
 from __future__ import annotations
@@ -83,6 +85,33 @@ def _grid_rows() -> list[str]:
         rows.append((label, B, ms, path))
     per_row = rows[0][2] / rows[0][1]
     return [f"| {label} | {B} | {ms:.3f} | {path} | {ms / B / per_row:.2f}x |" for label, B, ms, path in rows]
+
+
+# The element limit (entry backward-past-2**31-elements): a gpt-oss-shaped packed call (64 heads x 64) of 516 causal
+# documents of 1,024 tokens, past 2**31 elements of q, and half of it, within them. api, S_q, S_kv, B, H, H_kv, D, D_v.
+ELEMENT_CALL = ("packed", 1024, 1024, 516, 64, 8, 64, 64)
+
+
+def _element_rows() -> list[str]:
+    half = (*ELEMENT_CALL[:3], ELEMENT_CALL[3] // 2, *ELEMENT_CALL[4:])
+    table = errata.ERRATA
+    rows = []
+    for label, call, grouped in (
+        ("half the documents, whole", half, True),
+        ("past it, head groups (as served)", ELEMENT_CALL, True),
+        ("past it, whole (the bug's graph below 9.28.1)", ELEMENT_CALL, False),
+    ):
+        if not grouped:
+            errata.ERRATA = tuple(e for e in table if e.key != "backward-past-2**31-elements")
+        cudnn_graphs.clear_cache()  # no verdict of one table outlives it
+        try:
+            ms, path = _served(_call_step(*call))
+        finally:
+            errata.ERRATA = table
+            cudnn_graphs.clear_cache()
+        rows.append((label, call[3], ms, path))
+    per_document = rows[0][2] / rows[0][1]
+    return [f"| {label} | {B} | {ms:.3f} | {path} | {ms / B / per_document:.2f}x |" for label, B, ms, path in rows]
 
 
 def _call_step(api, S_q, S_kv, B, H, H_kv, D, D_v, window=(-1, -1)):
@@ -169,6 +198,13 @@ def main(argv=None) -> list[str]:
         "| batch | B | fwd+bwd ms | path | per row |",
         "|---|---|---|---|---|",
         *_grid_rows(),
+        "",
+        f"The element limit: packed documents of {ELEMENT_CALL[1]} tokens (H {ELEMENT_CALL[4]}/{ELEMENT_CALL[5]}, "
+        f"D {ELEMENT_CALL[6]}, causal), fwd+bwd ms; per document: ms per document as a multiple of half the call's:",
+        "",
+        "| call | documents | fwd+bwd ms | path | per document |",
+        "|---|---|---|---|---|",
+        *_element_rows(),
     ]
     print("\n".join(lines))
     write_table(lines, args.out, "errata_cost.md")

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import cudnn_attention
-from cudnn_attention import provider
+from cudnn_attention import cudnn_graphs, errata, head_groups, provider
 from cudnn_attention.masking import MaskSpec
 from cudnn_attention.reference import dense_reference, varlen_reference
 from support.tolerances import assert_within_lowp_noise
@@ -124,29 +124,48 @@ def test_compiled_sdpa_runs_on_our_op():
         torch.testing.assert_close(got, want)
 
 
-def test_a_batch_past_the_grid_limit_is_served_in_chunks():
-    # torch's own cuDNN kernel fails at a batch of 65,536 (errata entry batch-or-heads-over-65535); the provider's op
-    # serves it as two chunks that fit, forward and backward, within the rule.
+def _dense_op_in_pieces(shape, launches):
+    """The provider's dense op, causal and strict, on bf16 data of ``shape``: one provider call each way, served in
+    ``launches`` cuDNN launches each way, within the rule against an fp32 reference."""
     torch.manual_seed(0)
-    q, k, v = (torch.randn(65536, 2, 16, 32, device=DEVICE, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-    grad_out = torch.randn(65536, 2, 16, 32, device=DEVICE, dtype=torch.bfloat16)
+    q, k, v = (torch.randn(shape, device=DEVICE, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    grad_out = torch.randn(shape, device=DEVICE, dtype=torch.bfloat16)
     cudnn_attention.reset_stats()
     with cudnn_attention.enabled(), cudnn_attention.strict():
         out = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, is_causal=True)[0]
         grads = torch.autograd.grad(out, (q, k, v), grad_out)
     stats = cudnn_attention.stats()
     assert stats["provider"]["sdpa_forward"] == stats["provider"]["sdpa_backward"] == 1, stats
-    assert stats["cudnn_forward"] == stats["cudnn_backward"] == 2, stats
-    mask = MaskSpec(-1, 0, False)
+    assert stats["cudnn_forward"] == stats["cudnn_backward"] == launches, stats
+    mask, scale = MaskSpec(-1, 0, False), shape[-1] ** -0.5
     fp32 = [t.detach().float().requires_grad_() for t in (q, k, v)]
-    ref, _ = dense_reference(*fp32, scale=32**-0.5, mask=mask)
+    ref, _ = dense_reference(*fp32, scale=scale, mask=mask)
     ref_grads = torch.autograd.grad(ref, fp32, grad_out.float())
     bf16 = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    lowp, _ = dense_reference(*bf16, scale=32**-0.5, mask=mask, compute_dtype=torch.bfloat16)
+    lowp, _ = dense_reference(*bf16, scale=scale, mask=mask, compute_dtype=torch.bfloat16)
     lowp_grads = torch.autograd.grad(lowp, bf16, grad_out)
     assert_within_lowp_noise("out", out, ref, lowp)
     for name, got, want, base in zip(("dq", "dk", "dv"), grads, ref_grads, lowp_grads):
         assert_within_lowp_noise(name, got, want, base)
+
+
+def test_a_batch_past_the_grid_limit_is_served_in_chunks():
+    # torch's own cuDNN kernel fails at a batch of 65,536 (errata entry batch-or-heads-over-65535); the provider's op
+    # serves it as two chunks that fit, forward and backward, within the rule.
+    _dense_op_in_pieces((65536, 2, 16, 32), launches=2)
+
+
+def test_a_backward_past_the_element_limit_is_served_in_head_groups(monkeypatch):
+    # Entry backward-past-2**31-elements with its limit lowered to 40,000 (the real one is test_gpu_large_offsets.py's):
+    # B 2 x S 128 x 8 heads x 64 = 131,072 elements, 4 groups of 2 heads (32,768) fit. Graphs and verdicts built under
+    # the lowered limit are forgotten after, or a refusal kept would send other tests' calls to the exact path.
+    monkeypatch.setattr(errata, "ELEMENT_LIMIT", 40_000)
+    monkeypatch.setattr(head_groups, "element_limited_on", lambda device_type: True)
+    cudnn_graphs.clear_cache()
+    try:
+        _dense_op_in_pieces((2, 8, 128, 64), launches=4)
+    finally:
+        cudnn_graphs.clear_cache()
 
 
 @pytest.mark.parametrize("route", ["op, causal", "varlen_attn"])

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from cudnn_attention import _compat
 from cudnn_attention import plan as plans
+from cudnn_attention.layouts import like_layout_strides
 from cudnn_attention.masking import MaskSpec
 from cudnn_attention.reference import dense_reference, varlen_reference
 
@@ -70,11 +71,18 @@ def _reference(q, k, v, cu_q, cu_kv, max_q, max_kv, scale, mask: MaskSpec):
     return varlen_reference(q, k, v, cu_q, cu_kv, max_q, max_kv, scale=scale, mask=mask)
 
 
+def _output_strides(out, q, *, packed: bool) -> tuple:
+    # layouts.allocate_forward_outputs: packed (T, H, D_v) contiguous; dense compact in q's dimension order.
+    return torch.empty(out.shape, device="meta").stride() if packed else like_layout_strides(tuple(out.shape), q)
+
+
 def standin_forward(
     q, k, v, sinks=None, seqlens_q=None, seqlens_kv=None, cu_q=None, cu_kv=None, *, scale, max_seqlen_q=0, max_seqlen_kv=0, **options
 ):
     need_lse = options.pop("need_lse", False)
-    out, lse = _reference(q, k, v, cu_q, cu_kv, max_seqlen_q, max_seqlen_kv, scale, MaskSpec.from_op_args(options))
+    exact, lse = _reference(q, k, v, cu_q, cu_kv, max_seqlen_q, max_seqlen_kv, scale, MaskSpec.from_op_args(options))
+    # The real forward writes its output as layouts.allocate_forward_outputs lays it out.
+    out = torch.empty_strided(exact.shape, _output_strides(exact, q, packed=cu_q is not None), dtype=exact.dtype).copy_(exact)
     return out, lse if need_lse else torch.empty(0)
 
 
@@ -99,9 +107,11 @@ def standin_backward(
     **mask_options,
 ):
     mask = MaskSpec.from_op_args(mask_options)
-    # The real backward reads lse with our forward's layout: (B, H, S) dense, (T, H) packed, contiguous.
+    # The real backward reads lse with our forward's layout: (B, H, S) dense, (T, H) packed, contiguous; and the output
+    # as its graph was built for it (graph_spec.spec_for): our forward's layout too.
     expected = (q.shape[0], q.shape[1]) if cu_q is not None else (q.shape[0], q.shape[1], q.shape[2])
     assert tuple(lse.shape) == expected and lse.is_contiguous() and lse.dtype == torch.float32, (lse.shape, lse.stride())
+    assert out.stride() == _output_strides(out, q, packed=cu_q is not None), (out.shape, out.stride(), q.stride())
     # torch's autograd formulas above the provider's kernels drop their LSE's gradient: none ever reaches this op.
     assert grad_lse is None and grad_out is not None
 

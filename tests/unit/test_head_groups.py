@@ -5,12 +5,16 @@ equal the whole call's, dense (both memory layouts) and packed, in the whole cal
 touch, that run no backward, or that cuDNN cannot serve anyway, stay whole; so does one no grouping brings below, whose
 backward graph the table refuses."""
 
+import re
+
 import pytest
 import torch
 
 import cudnn_attention
 from cudnn_attention import errata, head_groups
 from cudnn_attention.call import AttentionCall, Prepared, padding_lengths
+from support.benchmark_scripts import run_script
+from support.child_process import succeeded
 from support.graph_specs import graph_spec
 from support.leaf_gradients import projection_gradients
 
@@ -127,3 +131,12 @@ def test_the_table_refuses_a_backward_graph_past_the_limit_on_the_versions_it_na
 def test_without_a_gpu_a_call_past_the_limit_is_one_exact_call():
     # The real predicate on this machine: CPU tensors are never cuDNN's, whatever their size.
     assert head_groups.group_count(_prepared(S=2**25)) == 1
+
+
+def test_the_element_limit_probe_runs_on_the_cpu():
+    # benchmarks/element_limit_probe.py, the diagnosis behind the entry, at a small size: its four variants, each
+    # document's error over the bound (the exact path against the reference: within it).
+    said = succeeded(run_script("element_limit_probe", "3", "64", "4", "2", timeout=300))
+    variants = [line for line in said.splitlines() if "fallbacks" in line]
+    ratios = [float(value) for value in re.findall(r"(?:out|dq|dk|dv) +([0-9.]+)", said)]
+    assert len(variants) == 4 and len(ratios) == 4 * 3 * 4 and max(ratios) <= 1, said

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import cudnn_attention
-from cudnn_attention import _compat, batch_chunks, errata, provider, sdpa_overrides
+from cudnn_attention import _compat, batch_chunks, errata, head_groups, provider, sdpa_overrides
 from support.child_process import python_output
 from support.provider_cpu import DENSE_OPS, VARLEN_OPS, in_fresh_thread, our_ops_on_cpu, per_document_reference
 
@@ -225,29 +225,44 @@ def test_dense_op_through_torch_autograd_is_served_and_exact(cpu_kernels, causal
     assert provider_stats["torch_forward"] == {} and provider_stats["torch_backward"] == {}
 
 
-def test_a_batch_past_the_grid_limit_is_served_in_chunks(cpu_kernels, monkeypatch):
-    # The limit lowered to 3 on a "device" cuDNN serves: 7 rows go to our op in three chunks, forward and backward, and
-    # give what one call gives (torch's own cuDNN kernel would fail on such a batch).
-    monkeypatch.setattr(errata, "GRID_LIMIT", 3)
-    monkeypatch.setattr(batch_chunks, "grid_limited_on", lambda device_type: True)
+# (module, its limit, the limit lowered, cut, its predicate, q's shape as allocated, whether that is (B, S, H, D) memory)
+_PIECES = {
+    # 7 rows past a batch limit of 3: three chunks (torch's own cuDNN kernel would fail on such a batch).
+    "batch chunks": (batch_chunks, "GRID_LIMIT", 3, "chunks", "grid_limited_on", (7, 2, 16, 8), False, 3),
+    # B 2 x S 16 x 4 heads x 8 = 1,024 elements past 1,000: two groups of two heads, in (B, S, H, D) memory as
+    # transformers passes it (each group's saved output and LSE go back into the layout its own forward writes).
+    "head groups": (head_groups, "ELEMENT_LIMIT", 1000, "groups", "element_limited_on", (2, 16, 4, 8), True, 2),
+}
+
+
+@pytest.mark.parametrize("pieces", list(_PIECES))
+def test_a_call_past_a_cudnn_limit_is_served_in_pieces(cpu_kernels, monkeypatch, pieces):
+    # The limit lowered on a "device" cuDNN serves: the call goes to our op in pieces, forward and backward, and gives
+    # what one call gives, in its layout.
+    module, limit, lowered, cut_name, predicate, shape, bshd, count = _PIECES[pieces]
+    whole_limit = getattr(errata, limit)
+    monkeypatch.setattr(errata, limit, lowered)
+    monkeypatch.setattr(module, predicate, lambda device_type: True)
     cut = []
-    chunks = batch_chunks.chunks
-    monkeypatch.setattr(batch_chunks, "chunks", lambda prepared, count: cut.append(count) or chunks(prepared, count))
+    split = getattr(module, cut_name)
+    monkeypatch.setattr(module, cut_name, lambda prepared, n: cut.append(n) or split(prepared, n))
     generator = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(7, 2, 16, 8, generator=generator).half().requires_grad_() for _ in range(3))
-    grad_out = torch.randn(7, 2, 16, 8, generator=generator).half()
+    q, k, v = (torch.randn(shape, generator=generator).half() for _ in range(3))
+    q, k, v = ((t.transpose(1, 2) if bshd else t).requires_grad_() for t in (q, k, v))
+    grad_out = torch.randn(q.shape, generator=generator).half()
 
     def run():
         out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, is_causal=True)[:2]
         return out, lse, torch.autograd.grad(out, (q, k, v), grad_out)
 
     out, lse, grads = run()
-    assert cut == [3] * 4, cut  # resolved and launched in three chunks, forward and backward
-    monkeypatch.setattr(errata, "GRID_LIMIT", 65535)
+    assert cut == [count] * 4, cut  # resolved and launched in pieces, forward and backward
+    monkeypatch.setattr(errata, limit, whole_limit)
     whole_out, whole_lse, whole_grads = run()
-    assert cut == [3] * 4
+    assert cut == [count] * 4
     for got, want in zip((out, lse, *grads), (whole_out, whole_lse, *whole_grads)):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert out.stride() == whole_out.stride()
     provider_stats = cudnn_attention.stats()["provider"]
     assert provider_stats["sdpa_forward"] == provider_stats["sdpa_backward"] == 2 and not provider_stats["torch_forward"]
 
