@@ -24,7 +24,7 @@ import torch
 from . import dtypes, errata
 from .call import Prepared
 from .frontend import cudnn_version
-from .layouts import backward_rows, joined_results, like_layout_strides
+from .layouts import allocate_forward_outputs, backward_rows, joined_results
 from .plan import device_unservable_reason
 
 __all__ = ["HEADS", "element_limited_on", "group_count", "groups", "joined", "saved_heads"]
@@ -80,19 +80,14 @@ def groups(prepared: Prepared, count: int) -> list[Prepared]:
 
 def saved_heads(parts: list[Prepared], grad_out: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> list[tuple]:
     """Per group, its heads of a whole call's backward inputs (the provider's backward op gets the joined output and
-    LSE): the incoming gradient as a view, the output and the LSE copied into the layouts the group's own forward would
-    have written, which its backward graph reads (an output compact in q's dimension order, a contiguous LSE); the
-    heads of one tensor are not a compact tensor. Packed outputs are always (T, H, D_v) contiguous
-    (:func:`~cudnn_attention.layouts.allocate_forward_outputs`)."""
+    LSE): the incoming gradient as a view, the output and the LSE copied into the buffers the group's own forward would
+    have written (:func:`~cudnn_attention.layouts.allocate_forward_outputs`), whose layouts its backward graph reads; the
+    heads of one tensor are not a compact tensor."""
     saved = []
     pieces = (torch.tensor_split(t, len(parts), dim=HEADS) for t in (grad_out, out, lse))
     for part, grad_out_part, out_part, lse_part in zip(parts, *pieces):
-        if part.call.packed:
-            laid_out = out_part.contiguous()
-        else:
-            strides = like_layout_strides(tuple(out_part.shape), part.q)
-            laid_out = torch.empty_strided(out_part.shape, strides, dtype=out_part.dtype, device=out_part.device).copy_(out_part)
-        saved.append((grad_out_part, laid_out, lse_part.contiguous()))
+        laid_out, lse_laid_out = allocate_forward_outputs(part.q, part.v, packed=part.call.packed, need_lse=True, zero_tails=False)
+        saved.append((grad_out_part, laid_out.copy_(out_part), lse_laid_out.copy_(lse_part)))
     return saved
 
 

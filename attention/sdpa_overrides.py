@@ -371,8 +371,8 @@ def _forward(prepared: Prepared):
 
 def _backward(prepared: Prepared, grad_out, out, lse):
     """dQ, dK, dV through the backward op (in batch chunks or head groups where :func:`_parts` says so; the incoming
-    gradient, output and LSE cut alike). torch's autograd formulas for these
-    ops declare their LSE non-differentiable and ignore its gradient, so there is none to pass on."""
+    gradient, output and LSE cut alike). torch's autograd formulas for these ops declare their LSE non-differentiable
+    and ignore its gradient, so there is none to pass on."""
     parts, pieces = _parts(prepared)
     if pieces is batch_chunks:
         rows = zip(*(torch.tensor_split(t, len(parts), dim=0) for t in (grad_out, out, lse)))

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from cudnn_attention import _compat
 from cudnn_attention import plan as plans
-from cudnn_attention.layouts import like_layout_strides
+from cudnn_attention.layouts import allocate_forward_outputs
 from cudnn_attention.masking import MaskSpec
 from cudnn_attention.reference import dense_reference, varlen_reference
 
@@ -71,9 +71,9 @@ def _reference(q, k, v, cu_q, cu_kv, max_q, max_kv, scale, mask: MaskSpec):
     return varlen_reference(q, k, v, cu_q, cu_kv, max_q, max_kv, scale=scale, mask=mask)
 
 
-def _output_strides(out, q, *, packed: bool) -> tuple:
-    # layouts.allocate_forward_outputs: packed (T, H, D_v) contiguous; dense compact in q's dimension order.
-    return torch.empty(out.shape, device="meta").stride() if packed else like_layout_strides(tuple(out.shape), q)
+def _forward_output(q, v, *, packed: bool) -> torch.Tensor:
+    # The buffer the real forward writes its output into (the layout its backward graph reads), uninitialized.
+    return allocate_forward_outputs(q, v, packed=packed, need_lse=False, zero_tails=False)[0]
 
 
 def standin_forward(
@@ -81,8 +81,7 @@ def standin_forward(
 ):
     need_lse = options.pop("need_lse", False)
     exact, lse = _reference(q, k, v, cu_q, cu_kv, max_seqlen_q, max_seqlen_kv, scale, MaskSpec.from_op_args(options))
-    # The real forward writes its output as layouts.allocate_forward_outputs lays it out.
-    out = torch.empty_strided(exact.shape, _output_strides(exact, q, packed=cu_q is not None), dtype=exact.dtype).copy_(exact)
+    out = _forward_output(q, v, packed=cu_q is not None).copy_(exact)
     return out, lse if need_lse else torch.empty(0)
 
 
@@ -111,7 +110,7 @@ def standin_backward(
     # as its graph was built for it (graph_spec.spec_for): our forward's layout too.
     expected = (q.shape[0], q.shape[1]) if cu_q is not None else (q.shape[0], q.shape[1], q.shape[2])
     assert tuple(lse.shape) == expected and lse.is_contiguous() and lse.dtype == torch.float32, (lse.shape, lse.stride())
-    assert out.stride() == _output_strides(out, q, packed=cu_q is not None), (out.shape, out.stride(), q.stride())
+    assert out.stride() == _forward_output(q, v, packed=cu_q is not None).stride(), (out.shape, out.stride(), q.stride())
     # torch's autograd formulas above the provider's kernels drop their LSE's gradient: none ever reaches this op.
     assert grad_lse is None and grad_out is not None
 
