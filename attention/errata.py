@@ -276,15 +276,16 @@ ERRATA = (
         fixed=92801,
         seen_on="9.19.0 (H100, this project, 2026-12-05: packed, 516 documents of 1,024 tokens, H 64/8, D 64, sinks, causal "
         "window 128: in documents 512 and 515 dQ 139x and 64x the tests' bound, dK 80x and 100x; documents 0-511 within "
-        "it; the first half of the heads, views of the same tensors, within it everywhere); clean on 9.28.1 (the same "
-        "data and machine); 9.20-9.28.0 and dense graphs unchecked, treated as affected",
+        "it; the first half of the heads, copied compact, within it everywhere); clean on 9.28.1 (the same data and "
+        "machine); 9.20-9.28.0 and dense graphs unchecked, treated as affected",
         report="this project's finding (docs/decisions/0024-backward-past-2-31-elements.md)",
         action=REFUSE,
         workaround=(
             "a call whose backward would pass it runs on cuDNN as head groups that each stay below (cudnn_attention."
-            "head_groups: views of q, k, v and the sinks, each group of query heads with the kv heads it reads; the output "
-            "is copied once more); a backward graph past it is refused before it is built, so a call no grouping brings "
-            "below (one kv head's share still past it) takes the exact path (counted, warned about once, refused in strict mode)"
+            "head_groups: each group of query heads with the kv heads it reads and its sinks, views of dense tensors and "
+            "compact copies of packed ones; the output is copied once more); a backward graph past it is refused before "
+            "it is built, so a call no grouping brings below (one kv head's share still past it) takes the exact path "
+            "(counted, warned about once, refused in strict mode)"
         ),
         test="tests/unit/test_head_groups.py, tests/gpu/test_gpu_head_groups.py, tests/gpu/test_gpu_large_offsets.py, "
         "tests/gpu/test_gpu_provider.py::test_a_backward_past_the_element_limit_is_served_in_head_groups",

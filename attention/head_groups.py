@@ -2,17 +2,19 @@
 
 cuDNN 9.19's backward gets dQ and dK wrong in every row from element 2**31 of q on, with no error (errata entry
 ``backward-past-2**31-elements``): a gpt-oss-shaped packed batch (64 query heads x 64) reaches that at 524,288 tokens.
-The first half of the heads of the same call, views of the same tensors, came out right. Heads are independent (a query
-head reads only its kv head), so such a call is the same call on consecutive groups of heads, each group of query heads
-with the kv heads it reads: :func:`group_count` says how many, :func:`groups` cuts the prepared call (views, no copy),
-and :func:`joined` puts the groups' outputs back together along the heads. Each group is an ordinary call: it resolves,
-runs its backward and falls back on its own, and autograd gives each group's slice of the sinks its gradient.
+The first half of the heads of the same call came out right. Heads are independent (a query head reads only its kv
+head), so such a call is the same call on consecutive groups of heads, each group of query heads with the kv heads it
+reads: :func:`group_count` says how many, :func:`groups` cuts the prepared call (views of dense tensors; compact copies
+of packed ones, the only layout cuDNN's packed backward reads right), and :func:`joined` puts the groups' outputs back
+together along the heads. Each group is an ordinary call: it resolves, runs its backward and falls back on its own, and
+autograd gives each group's slice of the sinks its gradient.
 
-What a grouped call costs beyond its groups: one copy of the output (and of the LSE when asked for) into the joined
-tensor; through the provider's ops, whose backward gets the joined output, one more copy of it back into the groups'
-layouts (:func:`saved_heads`). Only calls that will run a backward are grouped (the forward was right past the limit),
-and only on a cuDNN whose version has the entry. A call that no grouping brings below (one kv head's share still past
-it) stays whole, and its backward graph is refused: the exact path.
+What a grouped call costs beyond its groups: packed, one copy of q, k and v into the groups and of their gradients
+back; one copy of the output (and of the LSE when asked for) into the joined tensor; through the provider's ops, whose
+backward gets the joined output, one more copy of it back into the groups' layouts (:func:`saved_heads`). Only calls
+that will run a backward are grouped (the forward was right past the limit), and only on a cuDNN whose version has the
+entry. A call that no grouping brings below (one kv head's share still past it) stays whole, and its backward graph is
+refused: the exact path.
 
 Legend: B batch, T tokens, H heads, S sequence, D head dim.
 """
@@ -24,7 +26,7 @@ import torch
 from . import dtypes, errata
 from .call import Prepared
 from .frontend import cudnn_version
-from .layouts import allocate_forward_outputs, backward_rows, joined_results
+from .layouts import allocate_forward_outputs, backward_rows, joined_results, token_major
 from .plan import device_unservable_reason
 
 __all__ = ["HEADS", "element_limited_on", "group_count", "groups", "joined", "saved_heads"]
@@ -70,10 +72,15 @@ def element_limited_on(device_type: str) -> bool:
 
 
 def groups(prepared: Prepared, count: int) -> list[Prepared]:
-    """``prepared`` cut into ``count`` consecutive groups of heads (views of its tensors): group i holds query heads
-    ``[i H / count, (i + 1) H / count)``, the kv heads ``[i H_kv / count, ...)`` they read (``count`` divides H_kv) and
-    their sinks. The groups carry no served key: a key names the whole call's shapes."""
+    """``prepared`` cut into ``count`` consecutive groups of heads (views of its tensors; compact copies when packed):
+    group i holds query heads ``[i H / count, (i + 1) H / count)``, the kv heads ``[i H_kv / count, ...)`` they read
+    (``count`` divides H_kv) and their sinks. The groups carry no served key: a key names the whole call's shapes."""
     q_parts, k_parts, v_parts = (torch.tensor_split(t, count, dim=HEADS) for t in (prepared.q, prepared.k, prepared.v))
+    if prepared.call.packed:
+        # A group's heads of a (T, H, D) tensor are interleaved with the other groups' (token stride H x D), and cuDNN
+        # 9.19's packed backward reads only compact token-major operands (layouts.token_major; as views, the groups' dQ
+        # came out wrong on an H200): each packed group gets a compact copy, differentiable like the views.
+        q_parts, k_parts, v_parts = ([token_major(t) for t in parts] for parts in (q_parts, k_parts, v_parts))
     sink_parts = [None] * count if prepared.sinks is None else torch.tensor_split(prepared.sinks, count)
     return [Prepared(prepared.call, *parts, prepared.lengths) for parts in zip(q_parts, k_parts, v_parts, sink_parts)]
 

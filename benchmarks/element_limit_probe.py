@@ -5,7 +5,8 @@
     python3 benchmarks/element_limit_probe.py 6 64 8 2             (a CPU: the exact path, the script's plumbing)
 
 Runs the call as it ran before the workaround (the entry taken out of the table, so no head groups): whole with sinks,
-whole without, the first half of the heads as views of the same tensors, and as contiguous copies. For each, and each
+whole without, the first half of the heads as views of the same tensors (which varlen_attention copies compact, as it
+does any packed operand that is not: layouts.token_major), and as copies made here. For each, and each
 document on either side of elements 2**29, 2**30 and 2**31 of q, it prints error / bound by the tests' rule (the fp32
 reference of that document alone; above 1 fails) of out, dq, dk and dv. Results: benchmarks/results/backward_past_2_31_*.
 """
@@ -91,5 +92,5 @@ def run(label, heads, contiguous, with_sinks):
 
 run("one call, sinks", (H, H_KV), False, True)
 run("one call, no sinks", (H, H_KV), False, False)
-run("half the heads, views (same strides)", (H // 2, H_KV // 2), False, True)
+run("half the heads, views (varlen_attention copies them compact)", (H // 2, H_KV // 2), False, True)
 run("half the heads, contiguous copies", (H // 2, H_KV // 2), True, True)

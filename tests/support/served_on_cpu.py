@@ -31,6 +31,8 @@ def served_on_cpu(monkeypatch):
 
     def launch(plan, call, q, k, v, *, sinks, lengths):
         counts["launch"] += 1
+        # cuDNN's packed backward reads q, k, v right only as compact token-major tensors (layouts.token_major).
+        assert not call.packed or all(t.is_contiguous() for t in (q, k, v)), [t.stride() for t in (q, k, v)]
         return exact_attention(call, q, k, v, sinks=sinks, lengths=lengths)
 
     monkeypatch.setattr(plans, "resolve", resolve)

@@ -92,6 +92,17 @@ def test_groups_are_views_each_with_the_kv_heads_its_queries_read():
     assert parts[1].sinks.data_ptr() == sinks[4:].data_ptr() and all(part.key is None for part in parts)
 
 
+def test_packed_groups_are_compact_copies_of_their_heads():
+    # As views a group's heads are interleaved with the others' (token stride H x D): cuDNN 9.19's packed backward then
+    # gave a wrong dQ on an H200. Only compact token-major operands are read right (layouts.token_major).
+    q, k, v, sinks = (t.detach() for t in _packed(H=8, H_kv=4))
+    call = AttentionCall(packed=True, max_seqlen_q=12, max_seqlen_kv=12, scale=1.0)
+    parts = head_groups.groups(Prepared(call, q, k, v, sinks, None), 2)
+    assert all(t.is_contiguous() for part in parts for t in (part.q, part.k, part.v))
+    for got, want in ((parts[1].q, q[:, 4:]), (parts[1].k, k[:, 2:]), (parts[1].v, v[:, 2:]), (parts[0].q, q[:, :4])):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 def _prepared(*, B=2, H=8, H_kv=4, S=12, D=8, dtype=torch.float16, needs_grad=True, packed=False):
     # Broadcast views: the shapes are what is asked, and a call past 2**31 elements would not fit in memory.
     q = torch.zeros((), dtype=dtype).expand(B, H, S, D)
