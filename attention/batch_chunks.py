@@ -21,7 +21,7 @@ import torch
 from . import dtypes, errata
 from .call import Lengths, Prepared
 from .frontend import cudnn_version
-from .layouts import joined_results
+from .layouts import joined_results, split_evenly
 from .plan import device_unservable_reason
 
 __all__ = ["chunk_count", "chunks", "grid_limited_on", "joined"]
@@ -57,13 +57,13 @@ def chunks(prepared: Prepared, count: int) -> list[Prepared]:
     """``prepared`` cut into ``count`` consecutive batch slices at most one row apart (views of its tensors; a padded
     call's lengths sliced alike). The slices carry no served key: a key names the whole call's shapes."""
     call, lengths = prepared.call, prepared.lengths
-    q_parts, k_parts, v_parts = (torch.tensor_split(t, count, dim=0) for t in (prepared.q, prepared.k, prepared.v))
+    q_parts, k_parts, v_parts = (split_evenly(t, count, 0) for t in (prepared.q, prepared.k, prepared.v))
     if lengths.seqlens_q is None:
         length_parts = [lengths] * count
     else:
         length_parts = [
             Lengths(seqlens_q=len_q, seqlens_kv=len_kv)
-            for len_q, len_kv in zip(torch.tensor_split(lengths.seqlens_q, count), torch.tensor_split(lengths.seqlens_kv, count))
+            for len_q, len_kv in zip(split_evenly(lengths.seqlens_q, count, 0), split_evenly(lengths.seqlens_kv, count, 0))
         ]
     return [Prepared(call, *parts, prepared.sinks, part_lengths) for *parts, part_lengths in zip(q_parts, k_parts, v_parts, length_parts)]
 

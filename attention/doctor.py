@@ -82,7 +82,7 @@ def newer_cudnn_advice(cudnn_version: int | None, torch_cuda: str | None) -> lis
         return []
     newest = max(e.fixed for e in fixed)
     cuda_major = (torch_cuda or "13").split(".")[0]
-    lines = [f"fixed in cuDNN {errata.version_text(e.fixed)} (upstream; worked around here): {e.key}" for e in fixed]
+    lines = [f"fixed in cuDNN {errata.version_text(e.fixed)} ({_who_found_the_fix(e)}; worked around here): {e.key}" for e in fixed]
     measured = [text for version, text in MEASURED_SPEED if version > cudnn_version]
     lines.append("speed on an H200: " + "; ".join([*measured, "later versions not measured here"]))
     lines += [
@@ -93,6 +93,11 @@ def newer_cudnn_advice(cudnn_version: int | None, torch_cuda: str | None) -> lis
         "version back: upgrade cuDNN last, and run this doctor again, whose version lines say which one loads.",
     ]
     return lines
+
+
+def _who_found_the_fix(erratum) -> str:
+    # An upstream report names the fixed version; for this project's own findings it is the first version measured clean.
+    return "upstream" if "http" in erratum.report else "measured clean here"
 
 
 @dataclasses.dataclass

@@ -26,7 +26,7 @@ import torch
 from . import dtypes, errata
 from .call import Prepared
 from .frontend import cudnn_version
-from .layouts import allocate_forward_outputs, backward_rows, joined_results, token_major
+from .layouts import allocate_forward_outputs, backward_rows, joined_results, split_evenly, token_major
 from .plan import device_unservable_reason
 
 __all__ = ["HEADS", "element_limited_on", "group_count", "groups", "joined", "saved_heads"]
@@ -75,13 +75,13 @@ def groups(prepared: Prepared, count: int) -> list[Prepared]:
     """``prepared`` cut into ``count`` consecutive groups of heads (views of its tensors; compact copies when packed):
     group i holds query heads ``[i H / count, (i + 1) H / count)``, the kv heads ``[i H_kv / count, ...)`` they read
     (``count`` divides H_kv) and their sinks. The groups carry no served key: a key names the whole call's shapes."""
-    q_parts, k_parts, v_parts = (torch.tensor_split(t, count, dim=HEADS) for t in (prepared.q, prepared.k, prepared.v))
+    q_parts, k_parts, v_parts = (split_evenly(t, count, HEADS) for t in (prepared.q, prepared.k, prepared.v))
     if prepared.call.packed:
         # A group's heads of a (T, H, D) tensor are interleaved with the other groups' (token stride H x D), and cuDNN
         # 9.19's packed backward reads only compact token-major operands (layouts.token_major; as views, the groups' dQ
         # came out wrong on an H200): each packed group gets a compact copy, differentiable like the views.
         q_parts, k_parts, v_parts = ([token_major(t) for t in parts] for parts in (q_parts, k_parts, v_parts))
-    sink_parts = [None] * count if prepared.sinks is None else torch.tensor_split(prepared.sinks, count)
+    sink_parts = [None] * count if prepared.sinks is None else split_evenly(prepared.sinks, count, 0)
     return [Prepared(prepared.call, *parts, prepared.lengths) for parts in zip(q_parts, k_parts, v_parts, sink_parts)]
 
 
@@ -91,7 +91,7 @@ def saved_heads(parts: list[Prepared], grad_out: torch.Tensor, out: torch.Tensor
     have written (:func:`~cudnn_attention.layouts.allocate_forward_outputs`), whose layouts its backward graph reads; the
     heads of one tensor are not a compact tensor."""
     saved = []
-    pieces = (torch.tensor_split(t, len(parts), dim=HEADS) for t in (grad_out, out, lse))
+    pieces = (split_evenly(t, len(parts), HEADS) for t in (grad_out, out, lse))
     for part, grad_out_part, out_part, lse_part in zip(parts, *pieces):
         laid_out, lse_laid_out = allocate_forward_outputs(part.q, part.v, packed=part.call.packed, need_lse=True, zero_tails=False)
         saved.append((grad_out_part, laid_out.copy_(out_part), lse_laid_out.copy_(lse_part)))

@@ -19,6 +19,7 @@ __all__ = [
     "like_layout_strides",
     "packed_bounds",
     "shape_bucket",
+    "split_evenly",
     "thd_descriptor_strides",
     "token_major",
 ]
@@ -103,6 +104,15 @@ def cat_in_memory_order(tensors: list[torch.Tensor], dim: int) -> torch.Tensor:
     order = sorted(range(tensors[0].dim()), key=lambda d: (-strides[d], d))
     whole = torch.cat([t.permute(order) for t in tensors], dim=order.index(dim))
     return whole.permute([order.index(d) for d in range(len(order))])
+
+
+def split_evenly(t: torch.Tensor, count: int, dim: int) -> tuple[torch.Tensor, ...]:
+    """``t`` cut into ``count`` consecutive views along ``dim`` whose sizes are at most one apart, the larger first (the
+    cut of ``torch.tensor_split``), under one autograd node: the backward of tensor_split's slices builds a zero-filled
+    whole per slice and sums them, which at a grouped gpt-oss call's 4 GB q is several passes over it; split's backward
+    is one concatenation."""
+    size = t.shape[dim]
+    return torch.split(t, [size // count + (i < size % count) for i in range(count)], dim=dim)
 
 
 def joined_results(parts: list, dim: int) -> tuple:

@@ -27,6 +27,7 @@ from . import batch_chunks, head_groups, validation
 from . import plan as plans
 from .call import Prepared
 from .cudnn_ops import cudnn_backward
+from .layouts import split_evenly
 from .op_args import op_args
 from .policy import count_provider
 from .prepare import prepare_aten
@@ -375,7 +376,7 @@ def _backward(prepared: Prepared, grad_out, out, lse):
     and ignore its gradient, so there is none to pass on."""
     parts, pieces = _parts(prepared)
     if pieces is batch_chunks:
-        rows = zip(*(torch.tensor_split(t, len(parts), dim=0) for t in (grad_out, out, lse)))
+        rows = zip(*(split_evenly(t, len(parts), 0) for t in (grad_out, out, lse)))
         return pieces.joined([_backward(part, *row) for part, row in zip(parts, rows)])
     if pieces is head_groups:
         return pieces.joined([_backward(part, *saved) for part, saved in zip(parts, head_groups.saved_heads(parts, grad_out, out, lse))])

@@ -155,7 +155,8 @@ def test_the_doctor_lists_the_loaded_versions_entries_and_what_a_newer_cudnn_fix
     advice = doctor.newer_cudnn_advice(V919, "13.0")
     assert any("dq-nan-kv-64-mod-128" in line and "9.26.0" in line for line in advice)
     # The newest fix among them: 9.28.1 (backward-past-2**31-elements), which also measured fastest.
-    assert any("backward-past-2**31-elements" in line and "9.28.1" in line for line in advice)
+    assert "fixed in cuDNN 9.28.1 (measured clean here; worked around here): backward-past-2**31-elements" in advice
+    assert "fixed in cuDNN 9.26.0 (upstream; worked around here): dq-nan-kv-64-mod-128" in advice
     assert any("pip install -U 'nvidia-cudnn-cu13>=9.28.1'" in line for line in advice)
     # What pip did over torch 2.15.0+cu132's pin (9.26.0.51), measured: an ERROR line, exit status 0, and a later
     # `pip install accelerate` would put 9.26.0.51 back.

@@ -13,6 +13,7 @@ import torch
 import cudnn_attention
 from cudnn_attention import errata, head_groups
 from cudnn_attention.call import AttentionCall, Prepared, padding_lengths
+from cudnn_attention.layouts import split_evenly
 from support.benchmark_scripts import run_script
 from support.child_process import succeeded
 from support.graph_specs import graph_spec
@@ -101,6 +102,16 @@ def test_packed_groups_are_compact_copies_of_their_heads():
     assert all(t.is_contiguous() for part in parts for t in (part.q, part.k, part.v))
     for got, want in ((parts[1].q, q[:, 4:]), (parts[1].k, k[:, 2:]), (parts[1].v, v[:, 2:]), (parts[0].q, q[:, :4])):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("count", [2, 3])
+def test_pieces_are_cut_as_tensor_split_cuts_under_one_autograd_node(count):
+    # One node: its backward is one concatenation, where tensor_split's slices each build a zero-filled whole.
+    t = torch.randn(2, 7, 3, requires_grad=True)
+    parts = split_evenly(t, count, 1)
+    for got, want in zip(parts, torch.tensor_split(t, count, 1), strict=True):
+        assert got.shape == want.shape and got.data_ptr() == want.data_ptr()
+    assert all(part.grad_fn is parts[0].grad_fn for part in parts), [part.grad_fn for part in parts]
 
 
 def _prepared(*, B=2, H=8, H_kv=4, S=12, D=8, dtype=torch.float16, needs_grad=True, packed=False):
