@@ -4,8 +4,8 @@
 
 Inputs (bf16, one seed per row): packed, 2,048 tokens in documents of 768 / 256 / 1,024, H 64/8, D 64 (gpt-oss);
 dense, B 2, S 1,024, the same heads; each with gpt-oss's sliding window (128, 0) and fully causal. Sinks are
-``2 * randn`` float32 logits, the output gradient ``randn``. For each implementation: max |error| of the output and of
-dSink against the float64 reference (``tests/support/reference64.py``), and each as a multiple of a plain PyTorch bf16
+``2 * randn`` float32 logits, the output gradient ``randn``. For each implementation: max |error| of the output, dQ,
+dK, dV and dSink against the float64 reference (``tests/support/reference64.py``), and each as a multiple of a plain PyTorch bf16
 implementation's error on the same inputs: transformers' gpt-oss eager attention (bf16 scores, the sink logit
 concatenated, a bf16 softmax, a bf16 P @ V), per document when packed. FlashAttention's tests allow 2x.
 
@@ -34,6 +34,7 @@ H_Q, H_KV, D = 64, 8, 64
 DOCS = [768, 256, 1024]
 DENSE_B, DENSE_S = 2, 1024
 MASKS = {"window 128": (128, 0), "causal": (-1, 0)}
+TENSORS = {"out": "out", "dq": "dQ", "dk": "dK", "dv": "dV", "dsinks": "dSink"}  # result key: column label
 
 
 def _fa4():
@@ -65,6 +66,11 @@ def _fresh(q, k, v, sinks):
         t.grad = None
 
 
+def _results(out, q, k, v, sinks) -> dict:
+    # The leaves' gradients after out.backward: in the leaves' own layout whatever view the implementation took.
+    return dict(out=out.detach(), dq=q.grad.clone(), dk=k.grad.clone(), dv=v.grad.clone(), dsinks=sinks.grad.clone())
+
+
 def _cu():
     return torch.tensor([0, *itertools.accumulate(DOCS)], dtype=torch.int32, device="cuda")
 
@@ -87,7 +93,7 @@ def run_cudnn(layout, window, q, k, v, sinks, grad, sink_forward):
     out.backward(grad)
     stats = cudnn_attention.stats()
     assert stats["cudnn_forward"] and stats["cudnn_backward"] and not stats["fallback_forward"], stats
-    return out.detach(), sinks.grad.clone()
+    return _results(out, q, k, v, sinks)
 
 
 def run_fa4(fa4, layout, window, q, k, v, sinks, grad):
@@ -109,7 +115,7 @@ def run_fa4(fa4, layout, window, q, k, v, sinks, grad):
     else:
         out, _ = fa4.flash_attn_func(q, k, v, causal=True, window_size=window, learnable_sink=sinks)
     out.backward(grad)
-    return out.detach(), sinks.grad.clone()
+    return _results(out, q, k, v, sinks)
 
 
 def _eager_bshd(q, k, v, sinks, window, dtype):
@@ -137,14 +143,14 @@ def run_eager(layout, window, q, k, v, sinks, grad, dtype=torch.bfloat16):
     else:
         out = _eager_bshd(q, k, v, sinks, window, dtype)
     out.backward(grad.to(out.dtype))
-    return out.detach(), sinks.grad.clone()
+    return _results(out, q, k, v, sinks)
 
 
 def run_reference(layout, window, q, k, v, sinks, grad):
     """float64 ground truth from the tests' independent reference."""
     from support.reference64 import reference_attention, reference_varlen_attention
 
-    q, k, v = (t.detach().double() for t in (q, k, v))
+    q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
     sinks64 = sinks.detach().double().requires_grad_()
     if layout == "packed":
         cu = _cu()
@@ -154,7 +160,7 @@ def run_reference(layout, window, q, k, v, sinks, grad):
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True, window_size=window, sinks=sinks64
         ).transpose(1, 2)
     out.backward(grad.double())
-    return out.detach(), sinks64.grad
+    return _results(out, q, k, v, sinks64)
 
 
 def _milliseconds(fn, iters=30):
@@ -186,20 +192,20 @@ def main(argv=None):
         impls["flash_attention_4"] = lambda *a: run_fa4(fa4, *a)
     rows = []
     for layout, (mask, window) in itertools.product(("packed", "dense"), MASKS.items()):
-        errors = {name: {"out": [], "dsinks": []} for name in impls}
+        errors = {name: {what: [] for what in TENSORS} for name in impls}
         for seed in range(args.seeds):
             q, k, v, sinks, grad = inputs(layout, seed)
-            ref_out, ref_ds = run_reference(layout, window, q, k, v, sinks, grad)
+            ref = run_reference(layout, window, q, k, v, sinks, grad)
             for name, fn in impls.items():
                 _fresh(q, k, v, sinks)
-                out, ds = fn(layout, window, q, k, v, sinks, grad)
-                errors[name]["out"].append((out.double() - ref_out).abs().max().item())
-                errors[name]["dsinks"].append((ds.double() - ref_ds).abs().max().item())
-            del ref_out, ref_ds
-        base = {what: max(errors["eager bf16"][what]) for what in ("out", "dsinks")}
+                got = fn(layout, window, q, k, v, sinks, grad)
+                for what in TENSORS:
+                    errors[name][what].append((got[what].double() - ref[what]).abs().max().item())
+            del ref
+        base = {what: max(errors["eager bf16"][what]) for what in TENSORS}
         for name in impls:
             row = {"layout": layout, "mask": mask, "implementation": name}
-            for what in ("out", "dsinks"):
+            for what in TENSORS:
                 row[what] = max(errors[name][what])
                 row[f"{what} x eager"] = row[what] / base[what]
             if args.time and name != "eager bf16":
@@ -212,16 +218,15 @@ def main(argv=None):
         "",
         f"max |error| against float64 over {args.seeds} seeds; x eager = a multiple of transformers' gpt-oss eager attention in bf16",
         "",
-        "| layout | mask | implementation | out | out x eager | dSink | dSink x eager |" + (" fwd+bwd ms |" if args.time else ""),
-        "|---|---|---|---|---|---|---|" + ("---|" if args.time else ""),
+        "| layout | mask | implementation |"
+        + "".join(f" {label} | {label} x eager |" for label in TENSORS.values())
+        + (" fwd+bwd ms |" if args.time else ""),
+        "|---|---|---|" + "---|---|" * len(TENSORS) + ("---|" if args.time else ""),
     ]
     for r in rows:
         timing = f" {r['fwd+bwd ms']:.3f} |" if "fwd+bwd ms" in r else (" |" if args.time else "")
-        lines.append(
-            f"| {r['layout']} | {r['mask']} | {r['implementation']} | {r['out']:.4g} | {r['out x eager']:.2f} | "
-            f"{r['dsinks']:.4g} | "
-            f"{r['dsinks x eager']:.2f} |{timing}"
-        )
+        errors_text = "".join(f" {r[what]:.4g} | {r[f'{what} x eager']:.2f} |" for what in TENSORS)
+        lines.append(f"| {r['layout']} | {r['mask']} | {r['implementation']} |{errors_text}{timing}")
     if fa4 is None:
         lines += ["", "flash_attention_4: not installed here (flash_attn.cute did not import)."]
     report = "\n".join(lines)
