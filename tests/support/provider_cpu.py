@@ -76,8 +76,9 @@ def _forward_output(q, v, *, packed: bool) -> torch.Tensor:
     return allocate_forward_outputs(q, v, packed=packed, need_lse=False, zero_tails=False)[0]
 
 
-def _assert_token_major(q, k, v, *, packed: bool) -> None:
-    # cuDNN's packed backward reads q, k, v right only as compact token-major tensors (layouts.token_major).
+def assert_token_major(q, k, v, *, packed: bool) -> None:
+    """What every stand-in for a cuDNN launch checks: cuDNN's packed backward reads q, k, v right only as compact
+    token-major tensors (layouts.token_major)."""
     assert not packed or all(t.is_contiguous() for t in (q, k, v)), [t.stride() for t in (q, k, v)]
 
 
@@ -85,7 +86,7 @@ def standin_forward(
     q, k, v, sinks=None, seqlens_q=None, seqlens_kv=None, cu_q=None, cu_kv=None, *, scale, max_seqlen_q=0, max_seqlen_kv=0, **options
 ):
     need_lse = options.pop("need_lse", False)
-    _assert_token_major(q, k, v, packed=cu_q is not None)
+    assert_token_major(q, k, v, packed=cu_q is not None)
     exact, lse = _reference(q, k, v, cu_q, cu_kv, max_seqlen_q, max_seqlen_kv, scale, MaskSpec.from_op_args(options))
     out = _forward_output(q, v, packed=cu_q is not None).copy_(exact)
     return out, lse if need_lse else torch.empty(0)
@@ -117,7 +118,7 @@ def standin_backward(
     expected = (q.shape[0], q.shape[1]) if cu_q is not None else (q.shape[0], q.shape[1], q.shape[2])
     assert tuple(lse.shape) == expected and lse.is_contiguous() and lse.dtype == torch.float32, (lse.shape, lse.stride())
     assert out.stride() == _forward_output(q, v, packed=cu_q is not None).stride(), (out.shape, out.stride(), q.stride())
-    _assert_token_major(q, k, v, packed=cu_q is not None)
+    assert_token_major(q, k, v, packed=cu_q is not None)
     # torch's autograd formulas above the provider's kernels drop their LSE's gradient: none ever reaches this op.
     assert grad_lse is None and grad_out is not None
 
