@@ -66,7 +66,11 @@ def known_issues(cudnn_version: int | None) -> list[str]:
 # is weighed by what it fixes and what it costs: (backend version, what was measured).
 MEASURED_SPEED = (
     (92700, "9.27.0: fwd+bwd 0.80-1.02x 9.19's (slower at short shapes; docs/decisions/0015)"),
-    (92801, "9.28.1: fwd+bwd 1.04-1.07x 9.19's packed, 1.01-1.03x dense at S >= 4096 (docs/decisions/0023)"),
+    (
+        92801,
+        "9.28.1: fwd+bwd 1.04-1.07x 9.19's packed, 1.01-1.03x dense at S >= 4096 (docs/decisions/0023); dense sink backward "
+        "1.10x with a window (H100; dSink in the graph, 0025)",
+    ),
 )
 
 

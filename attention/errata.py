@@ -233,8 +233,9 @@ ERRATA = (
         report="https://github.com/NVIDIA/TransformerEngine/issues/3249, https://github.com/NVIDIA/TransformerEngine/pull/3470",
         action=REFUSE,
         workaround=(
-            "not met by calls: their backward graph never holds the sinks (dSink comes from a closed form after it); a packed "
-            "backward graph with them (only benchmarks/sink_backward.py builds one) is refused before it is built"
+            "not met by calls: a packed call's backward graph never holds the sinks (dSink comes from a closed form after "
+            "it; only dense calls on 9.28.1 and newer hold them, docs/decisions/0025); a packed backward graph with them "
+            "(only benchmarks/sink_backward.py builds one) is refused before it is built"
         ),
         test="tests/gpu/test_gpu_packed_sinks.py, tests/unit/test_errata.py",
         affects=_packed_backward_with_sinks,

@@ -48,6 +48,7 @@ class CompiledGraph:
         "full_lengths",
         "one_key_per_row",
         "mask",
+        "has_sinks",
     )
 
     def __init__(self, spec: GraphSpec, graph, workspace_size, uids, ragged_columns):
@@ -60,6 +61,7 @@ class CompiledGraph:
         self.full_lengths = (spec.batch, spec.seq_q, spec.seq_kv) if spec.padded and not spec.packed else None
         self.one_key_per_row = spec.mask.sees_at_most_one_key(packed=spec.packed, seq_kv=spec.seq_kv)
         self.mask = spec.mask  # what the packed row passes ask (keeps_diagonal)
+        self.has_sinks = spec.sinks  # forward: cuDNN's sink engine; backward: the sinks in, dSink out (after dV)
         self.workspace_size = workspace_size
         self.uids = uids
         # ((side, token_stride), ...): each column is cu_seqlens_<side> * token_stride, in uid order.

@@ -17,7 +17,13 @@ from .frontend import cudnn_version
 from .layouts import backward_rows, like_layout_strides, packed_bounds, thd_descriptor_strides
 from .masking import MaskSpec
 
-__all__ = ["GraphSpec", "spec_for"]
+__all__ = ["DSINK_IN_GRAPH_SINCE", "GraphSpec", "dsink_in_graph", "spec_for"]
+
+# cuDNN 9.28.1's dense backward writes dSink in the pass that already reads dO and O for its dO.O row sums, and it is
+# faster there than the sink-less backward plus this package's sink-gradient pass over O and dO: 0.587 against 0.643 ms
+# (dense gpt-oss B 2, S 4096, H 64/8, D 64, window 128, H100; 1.904 against 1.940 without the window), the same dSink
+# error and bit-identical dQ/dK/dV. 9.19's took 1.420 ms, and 9.28's packed one 2.3x the pair (docs/decisions/0025).
+DSINK_IN_GRAPH_SINCE = 92801
 
 
 class GraphSpec(NamedTuple):
@@ -43,8 +49,8 @@ class GraphSpec(NamedTuple):
     mask: MaskSpec
     grad_strides: tuple = ()  # (dq, dk, dv) strides in the backward
     # The graph holds the sinks. Forward: cuDNN's sink engine. Backward: the graph also writes dSink (the frontend's
-    # dSink_token); calls never build one (their dSink comes from an identity after the sink-less backward), only
-    # benchmarks/sink_backward.py does, to measure it against that identity.
+    # dSink_token), where :func:`dsink_in_graph` says so; other calls take dSink from an identity after the sink-less
+    # backward (benchmarks/sink_backward.py measures the two).
     sinks: bool = False
     padded: bool = False
     packed: bool = False
@@ -56,6 +62,20 @@ class GraphSpec(NamedTuple):
     # "unified" (cuDNN 9.2x's unified SDPA engines, the frontend 1.32 bindings' ``implementation=``): the plan
     # benchmark builds the others to time them (benchmarks/engine_plans.py --implementation).
     implementation: str = "auto"
+
+
+def dsink_in_graph(call: AttentionCall, version: int | None, *, deterministic: bool) -> bool:
+    """Whether ``call``'s backward graph holds the sinks and writes dSink itself (see :data:`DSINK_IN_GRAPH_SINCE`):
+    dense calls without padding on cuDNN 9.28.1 or newer. Packed calls were slower that way, padded ones and the
+    deterministic algorithm were not measured; they keep the sink-less backward and the sink-gradient pass."""
+    return (
+        call.has_sinks
+        and not call.packed
+        and not call.padded
+        and not deterministic
+        and version is not None
+        and version >= DSINK_IN_GRAPH_SINCE
+    )
 
 
 def spec_for(direction: str, call: AttentionCall, q, k, v, *, deterministic: bool) -> GraphSpec:
@@ -102,7 +122,7 @@ def spec_for(direction: str, call: AttentionCall, q, k, v, *, deterministic: boo
         dim_v=D_v,
         scale=float(call.scale),
         mask=call.mask,
-        sinks=call.has_sinks and not backward,
+        sinks=dsink_in_graph(call, cudnn_version(), deterministic=deterministic) if backward else call.has_sinks,
         padded=call.padded,
         packed=call.packed,
         need_lse=call.need_lse or backward,

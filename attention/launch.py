@@ -136,6 +136,9 @@ def run_backward(graph, grad_out, q, k, v, out, lse, sinks, lengths: Lengths, gr
     set_after = _rows_set_after(q, lengths, every_row)
     zero_tails = not (every_row or set_after)
     index_operands = length_operands(graph, lengths, q.device)
+    # A graph that holds the sinks writes dSink itself (graph_spec.dsink_in_graph); the LSE's launch below writes one
+    # too, from stand-in operands: it goes to a scratch buffer, as the LSE's own share comes in closed form.
+    sink_operands = (lambda: [aligned(sinks, "sinks"), sinks.new_empty(sinks.shape[0])]) if graph.has_sinks else list
     dq = dk = dv = dsinks = None
     if grad_out is not None:
         if invalid_B1S1 is not None:
@@ -146,13 +149,16 @@ def run_backward(graph, grad_out, q, k, v, out, lse, sinks, lengths: Lengths, gr
         dq, dk, dv = allocate_backward_outputs(
             q, k, v, packed=packed, padded=invalid_B1S1 is not None, grad_strides=graph.grad_strides, zero_tails=zero_tails
         )
-        execute(graph, [q, k, v, out, grad_out, lse, dq, dk, dv, *index_operands], q.device.index)
+        in_graph = sink_operands()
+        execute(graph, [q, k, v, out, grad_out, lse, dq, dk, dv, *in_graph, *index_operands], q.device.index)
         if sinks is None and graph.one_key_per_row:
             # Exact math gives zero (every probability is 1, dP - D = dO . (v - O) = 0); the kernel's dP and D are two float32
             # sums in different orders, whose difference (about 1e-4 of dK on an H200) is rounding, not gradient.
             dq.zero_()
             dk.zero_()
-        if sinks is not None:
+        if in_graph:
+            dsinks = in_graph[1]
+        elif sinks is not None:
             dsinks = sink_gradient(grad_out, out, lse, sinks)
     if grad_lse is not None:
         dlse = masked_lse_gradient(grad_lse, lse)
@@ -160,7 +166,7 @@ def run_backward(graph, grad_out, q, k, v, out, lse, sinks, lengths: Lengths, gr
         lse_dq, lse_dk, lse_dv = allocate_backward_outputs(
             q, k, v, packed=packed, padded=invalid_B1S1 is not None, grad_strides=graph.grad_strides, zero_tails=zero_tails
         )
-        execute(graph, [q, k, v_zero, o_unit, do_lse, lse, lse_dq, lse_dk, lse_dv, *index_operands], q.device.index)
+        execute(graph, [q, k, v_zero, o_unit, do_lse, lse, lse_dq, lse_dk, lse_dv, *sink_operands(), *index_operands], q.device.index)
         if dq is None:
             # This launch's dV' = P^T dO' belongs to no gradient (the LSE does not depend on V): its buffer becomes dV's zeros.
             dq, dk, dv = lse_dq, lse_dk, lse_dv.zero_()

@@ -37,6 +37,7 @@ class _StandInGraph:
         self.full_lengths = None
         self.one_key_per_row = False
         self.mask = MaskSpec()
+        self.has_sinks = False
 
 
 def _launch_stand_in(graph, operands, device_index) -> None:

@@ -2,14 +2,15 @@
 
     python3 benchmarks/sink_backward.py [--out benchmarks/results]
 
-cudnn_attention's backward graph never holds the sinks: dSink comes after it from ``-sum_rows exp(sink - lse) * rowsum(dO * O)``
-(``fused_sinks.sink_gradient``, one more pass over O and dO: 61 us of a 1.39 ms packed gpt-oss step on cuDNN 9.19). cuDNN
-can compute the same inside its backward, whose dO.O pass reads both anyway. For each case one forward and backward runs
-through cudnn_attention while its launches are recorded; the same backward graph is then built holding the sinks
-(``spec._replace(sinks=True)``: sinks in, dSink out) and launched on the same operands. Columns: dSink's largest error
-against float64 each way (cuDNN's with either sign: the frontend's composite form sums ``exp(sink - stats) * D`` without
-a minus), the flash-style noise (exact O rounded to bf16: FlashAttention's rule allows twice it), whether dQ/dK/dV stay
-bit-identical, and the time of the backward as served (the launch plus the pass) against the one launch. Accuracy runs at
+Two ways to get dSink: the sink-less backward and then ``-sum_rows exp(sink - lse) * rowsum(dO * O)``
+(``fused_sinks.sink_gradient``, one more pass over O and dO), or the backward graph holding the sinks (the frontend's
+``dSink_token``: sinks in, dSink out), whose dO.O pass reads both anyway. cudnn_attention serves the second for dense
+calls on cuDNN >= 9.28.1 and the first elsewhere (``graph_spec.dsink_in_graph``). For each case one forward and backward
+runs through cudnn_attention while its launches are recorded; the served backward's spec is then built both ways and
+launched on the same operands. Columns: the way served, dSink's largest error against float64 as served, by the pass,
+and by cuDNN (with either sign: the frontend's composite form was read as summing ``exp(sink - stats) * D`` without a
+minus), the flash-style noise (exact O rounded to bf16: FlashAttention's rule allows twice it), whether dQ/dK/dV of the
+two graphs are bit-identical, and the time of the launch plus the pass against the one launch. Accuracy runs at
 a quarter of each case's length (the float64 reference holds every score); timing at the full length. A graph the loaded
 cuDNN refuses (TransformerEngine#3249: packed, before 9.26) or rejects says so in its row.
 """
@@ -58,19 +59,28 @@ def served_backward(case: Case, seed: int = 0):
     return graph, operands, inputs, grad_out
 
 
-def with_sinks(graph, operands: list, sinks):
-    """The same backward built holding the sinks, and its operands (fresh dQ/dK/dV, the sinks, a dSink buffer)."""
-    variant = graph_build.build(graph.spec._replace(sinks=True))
+def both_ways(graph, operands: list, sinks):
+    """The served backward's two variants, each with its operands: ``(sink-less graph, its operands)`` (dSink from the
+    pass after it) and ``(graph holding the sinks, its operands, its dSink buffer)``. The served graph is one of them
+    (``graph_spec.dsink_in_graph``); the other is built from its spec, with fresh dQ/dK/dV."""
+    lengths = operands[11:] if graph.has_sinks else operands[9:]
     grads = [torch.empty_like(t) for t in operands[6:9]]
     dsinks = torch.empty(sinks.shape[0], device="cuda", dtype=torch.float32)
-    return variant, [*operands[:6], *grads, sinks.detach().contiguous(), dsinks, *operands[9:]], dsinks
+    sinkless = graph_build.build(graph.spec._replace(sinks=False))
+    holding = graph_build.build(graph.spec._replace(sinks=True))
+    return (
+        (sinkless, [*operands[:9], *lengths]),
+        (holding, [*operands[:6], *grads, sinks.detach().contiguous(), dsinks, *lengths], dsinks),
+    )
 
 
 def accuracy(case: Case) -> dict:
     small = dataclasses.replace(case, doc_lengths=[n // 4 for n in case.doc_lengths], results={})
     graph, operands, (q, k, v, sinks, cu), grad_out = served_backward(small)
-    variant, ops, dsinks = with_sinks(graph, operands, sinks)
-    launch.execute(variant, ops, graph.spec.device_index)
+    (sinkless, plain_ops), (holding, ops, dsinks) = both_ways(graph, operands, sinks)
+    launch.execute(sinkless, plain_ops, graph.spec.device_index)
+    passed = sink_gradient(plain_ops[4], plain_ops[3], plain_ops[5], sinks.detach())
+    launch.execute(holding, ops, graph.spec.device_index)
     torch.cuda.synchronize()
     sinks64 = sinks.detach().double().requires_grad_()
     q64, k64, v64 = (t.detach().double() for t in (q, k, v))
@@ -84,24 +94,26 @@ def accuracy(case: Case) -> dict:
     flash = flash_style_dsinks(out64, lse64, grad_out, sinks64.detach(), torch.bfloat16).double()
     return {
         "served": (sinks.grad.double() - ref).abs().max().item() / scale,
+        "pass": (passed.double() - ref).abs().max().item() / scale,
         "cudnn": (dsinks.double() - ref).abs().max().item() / scale,
         "cudnn negated": (-dsinks.double() - ref).abs().max().item() / scale,
         "flash-style": (flash - ref).abs().max().item() / scale,
-        "same dq/dk/dv": all(torch.equal(a, b) for a, b in zip(operands[6:9], ops[6:9])),
+        "same dq/dk/dv": all(torch.equal(a, b) for a, b in zip(plain_ops[6:9], ops[6:9])),
+        "served way": "in the graph" if graph.has_sinks else "pass",
     }
 
 
 def timing(case: Case) -> tuple[float, float]:
     graph, operands, (_, _, _, sinks, _), grad_out = served_backward(case)
-    variant, ops, _ = with_sinks(graph, operands, sinks)
+    (sinkless, plain_ops), (holding, ops, _) = both_ways(graph, operands, sinks)
     index = graph.spec.device_index
     out, lse = operands[3], operands[5]
 
-    def served():
-        launch.execute(graph, operands, index)
-        sink_gradient(operands[4], out, lse, sinks.detach())
+    def launch_and_pass():
+        launch.execute(sinkless, plain_ops, index)
+        sink_gradient(plain_ops[4], out, lse, sinks.detach())
 
-    return cuda_time_ms(served), cuda_time_ms(lambda: launch.execute(variant, ops, index))
+    return cuda_time_ms(launch_and_pass), cuda_time_ms(lambda: launch.execute(holding, ops, index))
 
 
 def main(argv=None) -> list[str]:
@@ -110,23 +122,25 @@ def main(argv=None) -> list[str]:
     args = parser.parse_args(argv)
     found = versions()
     lines = [
-        f"dSink in cuDNN's backward against the served identity: torch {found['torch']}, cuDNN {errata.version_text(cudnn_version())} "
+        "dSink in cuDNN's backward graph and by the pass after the sink-less one: "
+        f"torch {found['torch']}, cuDNN {errata.version_text(cudnn_version())} "
         f"(frontend {found['cudnn_frontend']}), bf16, causal; errors relative to max|dSink| (a quarter of each length); "
         "backward ms (median of 15 means of 10 launches)",
         "",
-        "| case | served error | cuDNN's error | negated | flash-style | dQ/dK/dV identical | served ms (launch + pass) | cuDNN's ms "
-        "| ratio |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| case | served | served error | pass error | cuDNN's error | negated | flash-style | dQ/dK/dV identical "
+        "| launch + pass ms | cuDNN's ms | ratio |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for case in SELECTED:
         try:
             error = accuracy(case)
             served_ms, cudnn_ms = timing(case)
         except Exception as exc:  # noqa: BLE001 - a refused or rejected graph is this case's answer
-            lines.append(f"| {case.name} | not built: {str(exc).splitlines()[0][:150]} ||||||||")
+            lines.append(f"| {case.name} | not built: {str(exc).splitlines()[0][:150]} ||||||||||")
             continue
         lines.append(
-            f"| {case.name} | {error['served']:.2e} | {error['cudnn']:.2e} | {error['cudnn negated']:.2e} | {error['flash-style']:.2e} "
+            f"| {case.name} | {error['served way']} | {error['served']:.2e} | {error['pass']:.2e} | {error['cudnn']:.2e} "
+            f"| {error['cudnn negated']:.2e} | {error['flash-style']:.2e} "
             f"| {'yes' if error['same dq/dk/dv'] else 'no'} | {served_ms:.3f} | {cudnn_ms:.3f} | {served_ms / cudnn_ms:.2f}x |"
         )
     print("\n".join(lines))

@@ -138,3 +138,44 @@ def test_dense_sink_engine_dsink_where_an_independent_fuzz_found_it_over_the_bou
         assert cudnn_attention.stats()["cudnn_backward"] == 1
         failed = [f"{c['name']}: {c['why']}" for c in result["checks"] if not c["ok"]]
         assert not failed, f"seed {seed}: {failed}"
+
+
+# Dense sink calls whose backward graph writes dSink itself on cuDNN >= 9.28.1 (graph_spec.dsink_in_graph), and the pass
+# after the sink-less backward below it: (B, H, H_kv, S_q, S_kv, D, mask options, sink forward).
+DENSE_DSINK_CASES = {
+    "gpt-oss window 128, engine": (2, 16, 2, 1024, 1024, 64, dict(causal=True, window_size=(128, 0)), "engine"),
+    "causal GQA D 128, fold": (1, 8, 2, 576, 576, 128, dict(causal=True), "fold"),
+    "bottom-right, S_q < S_kv, fold": (2, 4, 4, 192, 300, 64, dict(causal=True, bottom_right=True), "fold"),
+    "full, S_q 1 (the engine declines: fold)": (3, 8, 8, 1, 2048, 64, {}, "engine"),
+}
+
+
+@pytest.mark.parametrize("name", list(DENSE_DSINK_CASES))
+def test_dense_dsink_in_the_backward_graph_matches_the_float64_reference(name, monkeypatch):
+    from cudnn_attention import graph_spec, launch
+    from cudnn_attention.frontend import cudnn_version
+
+    B, H, H_kv, S_q, S_kv, D, options, sink_forward = DENSE_DSINK_CASES[name]
+    version = cudnn_version()
+    in_graph = version is not None and version >= graph_spec.DSINK_IN_GRAPH_SINCE
+    monkeypatch.setattr(plans, "sink_forward", lambda: sink_forward)
+    held = []
+    real_execute = launch.execute
+
+    def execute(graph, *operands):
+        held.append((graph.spec.direction, graph.has_sinks))
+        return real_execute(graph, *operands)
+
+    monkeypatch.setattr(launch, "execute", execute)
+    cudnn_graphs.clear_cache()
+    for seed in range(2):
+        torch.manual_seed(seed)
+        q = torch.randn(B, H, S_q, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        k, v = (torch.randn(B, H_kv, S_kv, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+        sinks = (2 * torch.randn(H, device="cuda")).requires_grad_()
+        held.clear()
+        result = evaluate_call("dense", (q, k, v), dict(options, sinks=sinks, return_lse=True), loss="out+lse")
+        failed = [f"{c['name']}: {c['why']}" for c in result["checks"] if not c["ok"]]
+        assert not failed, f"{name}, seed {seed}, cuDNN {version}: {failed}"
+        assert [h for d, h in held if d == "backward"] == [in_graph, in_graph], (version, held)
+    cudnn_graphs.clear_cache()

@@ -8,7 +8,8 @@ handed and writes
 
     dP = dO V^T,  D = rowsum(dO * O),  dS = P * (dP - D),  dQ = scale dS K,  dK = scale dS^T Q,  dV = P^T dO
 
-(FlashAttention's backward, which cuDNN's implements; GQA sums dK and dV over each KV head's query heads). Like
+(FlashAttention's backward, which cuDNN's implements; GQA sums dK and dV over each KV head's query heads), and, when
+the backward graph holds the sinks, ``dSink_h = -sum over h's rows of exp(sink_h - LSE) D`` (cuDNN's ``dSink_token``). Like
 the real graphs they read which keys each query sees from the call's mask and the length operands: a padded
 call's per-row lengths, a packed call's prefix sums (the graphs take them as ragged offsets of unit stride here); and
 like them a packed graph leaves the rows outside its documents as it found them.
@@ -25,7 +26,7 @@ from typing import NamedTuple
 
 import torch
 
-from cudnn_attention import _compat, cudnn_ops, launch
+from cudnn_attention import _compat, cudnn_ops, graph_spec, launch
 from cudnn_attention import plan as plans
 from cudnn_attention.call import AttentionCall
 from cudnn_attention.plan import Plan
@@ -48,7 +49,8 @@ class EmulatedGraph:
         EmulatedGraph._serial += 1
         self.spec = EmulatedSpec(direction, EmulatedGraph._serial)
         self.call = call
-        self.has_sinks = has_sinks  # a forward graph with the sink operand (cuDNN's sink engine)
+        # Forward: the sink operand (cuDNN's sink engine); backward: the sinks in and dSink out (graph_spec.dsink_in_graph).
+        self.has_sinks = has_sinks
         self.deterministic = deterministic  # a backward graph: the algorithm it was resolved for
         self.out_strides = None  # the launch code derives layouts itself
         self.grad_strides = None
@@ -64,9 +66,15 @@ def plan_for(call: AttentionCall) -> Plan:
     ``CUDNN_ATTENTION_SINK_FORWARD`` picks (``plan._asks_sink_engine``)."""
     folds = call.has_sinks and not plans._asks_sink_engine(call)
     deterministic = call.backward_deterministic()
-    backward = EmulatedGraph("backward", call, deterministic=deterministic) if call.needs_grad else None
+    backward = _backward_graph(call, deterministic) if call.needs_grad else None
     forward = EmulatedGraph("forward", call, has_sinks=call.has_sinks and not folds)
     return Plan(forward, backward, folds, deterministic)
+
+
+def _backward_graph(call: AttentionCall, deterministic: bool) -> EmulatedGraph:
+    """The backward graph ``graph_spec.spec_for`` would ask for: holding the sinks where the (patched) cuDNN version says."""
+    in_graph = graph_spec.dsink_in_graph(call, graph_spec.cudnn_version(), deterministic=deterministic)
+    return EmulatedGraph("backward", call, has_sinks=in_graph, deterministic=deterministic)
 
 
 @contextlib.contextmanager
@@ -91,9 +99,7 @@ def emulated(monkeypatch, *, op: bool = False):
 
     monkeypatch.setattr(plans, "resolve", resolve)
     # A backward whose algorithm setting changed since the forward resolves its graph again.
-    monkeypatch.setattr(
-        cudnn_ops, "backward_graph", lambda q, k, v, call, deterministic: EmulatedGraph("backward", call, deterministic=deterministic)
-    )
+    monkeypatch.setattr(cudnn_ops, "backward_graph", lambda q, k, v, call, deterministic: _backward_graph(call, deterministic))
     if not op:
         yield launches
         return
@@ -160,8 +166,10 @@ def _forward(graph: EmulatedGraph, operands: list) -> None:
 
 def _backward(graph: EmulatedGraph, operands: list) -> None:
     q, k, v, out, grad_out, lse, dq, dk, dv = operands[:9]
+    sinks, dsinks = operands[9:11] if graph.has_sinks else (None, None)
+    lengths = operands[11:] if graph.has_sinks else operands[9:]
     p, scale = graph.call.packed, graph.call.scale
-    visible, row_valid = _visibility(graph, q, k, operands[9:])
+    visible, row_valid = _visibility(graph, q, k, lengths)
     q_N, k_N, v_N, o_N, do_N = (_nhsd(t, p).double() for t in (q, k, v, out, grad_out))
     lse_N = _nhs(lse, p).double()
     N, H, _, D = q_N.shape
@@ -172,7 +180,10 @@ def _backward(graph: EmulatedGraph, operands: list) -> None:
     probs = torch.where(visible.unsqueeze(1), torch.exp(scores - lse_N.unsqueeze(-1)), 0.0)  # P from the LSE handed in
     row_dot = (do_N * o_N).sum(-1, keepdim=True)
     d_scores = probs * (do_N @ v_rep.transpose(-1, -2) - row_dot)
-    key_rows = _written_key_rows(K, operands[9:]) if p else None
+    if sinks is not None:  # dSink_h = -sum over h's rows of exp(sink_h - lse) D, as cuDNN's dSink_token writes it
+        weight = torch.exp(sinks.double().view(1, -1, 1) - lse_N).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+        dsinks.copy_(-(weight * row_dot.squeeze(-1)).sum((0, 2)))
+    key_rows = _written_key_rows(K, lengths) if p else None
     _write(_nhsd(dq, p), scale * d_scores @ k_rep, row_valid if p else None)
     _write(_nhsd(dk, p), (scale * d_scores.transpose(-1, -2) @ q_N).reshape(N, H_kv, G, K, D).sum(2), key_rows)
     _write(_nhsd(dv, p), (probs.transpose(-1, -2) @ do_N).reshape(N, H_kv, G, K, -1).sum(2), key_rows)

@@ -76,15 +76,41 @@ def test_the_packed_backward_at_d256_with_another_dv_is_refused_on_every_version
         assert _key(spec, version) == "packed-d256-other-dv-backward"
 
 
-def test_a_packed_backward_holding_the_sinks_is_refused_before_9_26_and_no_call_builds_one():
-    # TransformerEngine#3249: wrong dSink / out-of-bounds statistics. Only benchmarks/sink_backward.py asks for such a graph.
+def test_a_packed_backward_holding_the_sinks_is_refused_before_9_26_and_no_call_builds_one(monkeypatch):
+    # TransformerEngine#3249: wrong dSink / out-of-bounds statistics. Only benchmarks/sink_backward.py asks for such a graph:
+    # calls hold the sinks in a dense backward only (graph_spec.dsink_in_graph), whatever the version.
     spec = _backward(packed=True, sinks=True, seq_q=256, seq_kv=256)
     assert _key(spec, V919) == "packed-sinks-backward-stats" and errata.matching(spec, V919).action == errata.REFUSE
     assert _key(spec, V926) is None and _key(spec._replace(packed=False), V919) is None
     call = AttentionCall(packed=True, max_seqlen_q=256, max_seqlen_kv=256, scale=0.125, mask=CAUSAL, need_lse=True, has_sinks=True)
     q = k = v = torch.empty(512, 2, 64, dtype=torch.bfloat16)
-    assert not spec_for("backward", call, q, k, v, deterministic=False).sinks
-    assert spec_for("forward", call, q, k, v, deterministic=False).sinks
+    for version in (V919, V926, 92801, 99999):
+        monkeypatch.setattr(graph_specs, "cudnn_version", lambda version=version: version)
+        assert not spec_for("backward", call, q, k, v, deterministic=False).sinks
+        assert spec_for("forward", call, q, k, v, deterministic=False).sinks
+
+
+@pytest.mark.parametrize(
+    ("version", "padded", "deterministic", "holds"),
+    [
+        (92801, False, False, True),
+        (93000, False, False, True),
+        (92800, False, False, False),
+        (V919, False, False, False),
+        (None, False, False, False),
+        (92801, True, False, False),
+        (92801, False, True, False),
+    ],
+)
+def test_a_dense_backward_holds_the_sinks_from_9_28_1_unpadded_and_nondeterministic(version, padded, deterministic, holds, monkeypatch):
+    # Measured faster than the sink-less backward plus the pass on 9.28.1 only (docs/decisions/0025); padded calls and the
+    # deterministic algorithm were not measured.
+    monkeypatch.setattr(graph_specs, "cudnn_version", lambda: version)
+    call = AttentionCall(packed=False, padded=padded, max_seqlen_q=256, max_seqlen_kv=256, scale=0.125, mask=CAUSAL, has_sinks=True)
+    q = k = v = torch.empty(2, 4, 256, 64, dtype=torch.bfloat16)
+    assert spec_for("backward", call, q, k, v, deterministic=deterministic).sinks == holds
+    assert spec_for("forward", call, q, k, v, deterministic=deterministic).sinks
+    assert not spec_for("backward", call.replace(has_sinks=False), q, k, v, deterministic=deterministic).sinks
 
 
 def _dense_call(S_q, S_kv, mask, *, padded=False):

@@ -111,7 +111,7 @@ def test_a_rerouted_backward_is_the_padded_graph_with_its_lengths_last(build):
 
 
 def test_a_backward_holding_the_sinks_writes_dsink_after_dv(build):
-    # Never a call's graph (its dSink comes from an identity): what benchmarks/sink_backward.py builds to measure cuDNN's own.
+    # A dense call's on cuDNN >= 9.28.1 (graph_spec.dsink_in_graph); elsewhere what benchmarks/sink_backward.py builds to measure it.
     compiled, kind, kwargs = build(direction="backward", mask=MaskSpec(-1, 0), sinks=True, grad_strides=((1,) * 4,) * 3)
     assert kind == "sdpa_backward" and kwargs["sink_token"].attributes["uid"] == 4
     dsinks = kwargs["dSink_token"].attributes

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import cudnn_attention
-from cudnn_attention import cudnn_ops
+from cudnn_attention import cudnn_ops, graph_spec, launch
 from cudnn_attention import plan as plans
 from cudnn_attention.lse_gradient import lse_gradient_operands, lse_sink_gradient, masked_lse_gradient
 from support.emulated_cudnn import emulated
@@ -142,6 +142,12 @@ CASES = {
     "dense_padded_no_key_sequence": ("dense", dict(options=dict(causal=True, bottom_right=True), seqlens=([7, 4], [7, 0]))),
     "dense_sinks_engine_padded": ("dense", dict(sinks=True, options=dict(causal=True, window_size=(2, 0)), seqlens=([7, 5], [7, 6]))),
     "dense_sinks_fold_rows_without_keys": ("dense", dict(sinks=True, fold=True, s_q=9, s_kv=5, options=DENSE_SINK_OPTIONS)),
+    # cuDNN >= 9.28.1: the dense backward graph holds the sinks and writes dSink (graph_spec.dsink_in_graph).
+    "dense_sinks_engine_dsink_in_graph": ("dense", dict(sinks=True, version=92801, options=dict(causal=True, window_size=(2, 0)))),
+    "dense_sinks_fold_rows_without_keys_dsink_in_graph": (
+        "dense",
+        dict(sinks=True, fold=True, version=92801, h_kv=1, s_q=9, s_kv=5, options=DENSE_SINK_OPTIONS),
+    ),
     "packed_tail": ("varlen", dict(lengths=[5, 1, 7], tail=3, options=dict(causal=True))),
     "packed_sinks_fold_empty_document_tail": ("varlen", dict(lengths=[4, 0, 6], tail=2, sinks=True, fold=True, options=WINDOW_OPTIONS)),
     "packed_sinks_engine_queries_without_keys": (
@@ -158,6 +164,7 @@ def _case(name, monkeypatch, dtype=torch.float64, seed=0):
     api_name, case = CASES[name]
     if case.get("fold") or case.get("engine"):
         monkeypatch.setattr(plans, "sink_forward", lambda: "fold" if case.get("fold") else "engine")
+    monkeypatch.setattr(graph_spec, "cudnn_version", lambda: case.get("version"))
     torch.manual_seed(seed)
     H, H_kv, D = 4, case.get("h_kv", 2), 8
     sinks = torch.randn(H, requires_grad=True) if case.get("sinks") else None
@@ -199,8 +206,37 @@ def test_emulated_cudnn_lse_gradients_match_float64(name, loss, path, monkeypatc
     assert (launches["forward"], launches["backward"]) == (1, {"out": 1, "out+lse": 2, "lse": 1}[loss])
 
 
+@pytest.mark.parametrize(
+    ("name", "version", "in_graph"),
+    [
+        ("dense_sinks_engine_dsink_in_graph", 92801, True),
+        ("dense_sinks_engine_dsink_in_graph", 92800, False),
+        ("dense_sinks_fold_rows_without_keys_dsink_in_graph", 92801, True),
+        ("dense_sinks_engine_padded", 92801, False),  # padded: not measured, the pass stays
+        ("packed_sinks_fold_empty_document_tail", 92801, False),  # packed: slower in the graph on 9.28.1
+    ],
+)
+@pytest.mark.parametrize("path", ["eager", "op"])
+def test_dsink_comes_from_the_backward_graph_only_where_the_version_and_call_allow(name, version, in_graph, path, monkeypatch):
+    api_name, args, kwargs = _case(name, monkeypatch)
+    monkeypatch.setattr(graph_spec, "cudnn_version", lambda: version)
+    passes = []
+    real_pass = launch.sink_gradient
+    monkeypatch.setattr(launch, "sink_gradient", lambda *a: passes.append(1) or real_pass(*a))
+    held = []
+    with emulated(monkeypatch, op=path == "op"):
+        real_execute = launch.execute
+        monkeypatch.setattr(launch, "execute", lambda graph, *a: held.append(graph.has_sinks) or real_execute(graph, *a))
+        _assert_ok(evaluate_call(api_name, args, kwargs, loss="out+lse"))
+    assert held[1:] == [in_graph, in_graph]  # the forward, then the output's and the LSE's backward launches
+    assert passes == ([] if in_graph else [1])
+
+
+SIXTEEN_BIT_CASES = ["dense_sinks_engine_padded", "packed_sinks_fold_empty_document_tail", "dense_sinks_engine_dsink_in_graph"]
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("name", ["dense_sinks_engine_padded", "packed_sinks_fold_empty_document_tail"])
+@pytest.mark.parametrize("name", SIXTEEN_BIT_CASES)
 def test_emulated_cudnn_lse_gradients_in_16_bits(name, dtype, monkeypatch):
     # The operands in the dtype cuDNN runs (the hi/lo split, dQ' and dK' rounded and added): FlashAttention's rule.
     api_name, args, kwargs = _case(name, monkeypatch, dtype=dtype)
