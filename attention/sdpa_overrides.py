@@ -5,7 +5,7 @@ autograd: torch's own autograd formula for each op still runs, saves what these 
 calls the (also overridden) backward. Each kernel therefore returns exactly what torch's kernel
 returns (shapes from torch's meta/fake kernels, so compiled graphs plan for the real tensors).
 
-Served on ``torch.ops.cudnn_attention.forward``/``backward``: calls without attention bias, dropout
+_Served on ``torch.ops.cudnn_attention.forward``/``backward``: calls without attention bias, dropout
 or a debug mask that :func:`cudnn_attention.plan.resolve` accepts (the same one
 predicate for both directions that :func:`cudnn_attention.attention` uses, so a call never starts
 here and finishes elsewhere). Everything else runs torch's own implementation, and is counted
@@ -59,9 +59,19 @@ def _dense_gap(attn_bias, dropout_p, *, debug_mask=False, cum_seq=None) -> str |
     return None
 
 
-def _resolve(query, key, value, **arguments) -> tuple[Prepared | None, str | None]:
-    """``(prepared, reason)``: the core's input checks (:func:`~cudnn_attention.call.prepare_aten`) and
-    :func:`~cudnn_attention.plan.resolve`; ``reason`` is None when this project's op serves the call.
+class _Served(NamedTuple):
+    """A call this project's ops serve, as the pieces they serve it in (:func:`_parts`): ``[prepared]``, or its batch
+    chunks (:mod:`~cudnn_attention.batch_chunks`) or head groups (:mod:`~cudnn_attention.head_groups`) with ``pieces``
+    the module that joins their results. Cut once, in :func:`_resolve`: packed head groups are copies of q, k and v."""
+
+    parts: list
+    pieces: object  # batch_chunks, head_groups or None
+
+
+def _resolve(query, key, value, **arguments) -> tuple[_Served | None, str | None]:
+    """``(served, reason)``: the core's input checks (:func:`~cudnn_attention.call.prepare_aten`) and
+    :func:`~cudnn_attention.plan.resolve` of each part (:func:`_parts`); ``reason`` is None when this project's op
+    serves the call (``served`` None otherwise).
 
     Malformed input (a head-dim mismatch, bad prefix sums, ...) raises the core's error, which
     names the argument: torch's kernel would fail on it too, less clearly. A non-positive scale is
@@ -70,14 +80,15 @@ def _resolve(query, key, value, **arguments) -> tuple[Prepared | None, str | Non
     prepared = prepare_aten(query, key, value, **arguments)
     call = prepared.call
     if validation.nothing_to_compute(prepared.q, prepared.k, max_seqlen_q=call.max_seqlen_q, max_seqlen_kv=call.max_seqlen_kv):
-        return prepared, "empty inputs"
+        return None, "empty inputs"
     # A batch past cuDNN's grid limit is served in chunks, a backward past its element limit in head groups (_forward,
-    # _backward): each must resolve.
-    for part in _parts(prepared)[0]:
+    # _backward): each must resolve. A part that would need cutting again resolves to a refused graph, so one cut serves.
+    served = _Served(*_parts(prepared))
+    for part in served.parts:
         _plan, reason = plans.resolve(part.q, part.k, part.v, call)
         if reason is not None:
-            return prepared, reason
-    return prepared, None
+            return None, reason
+    return served, None
 
 
 def _parts(prepared: Prepared) -> tuple[list[Prepared], object]:
@@ -98,7 +109,7 @@ def _parts(prepared: Prepared) -> tuple[list[Prepared], object]:
 
 
 def _dense_resolve(query, key, value, attn_bias, dropout_p, *, is_causal, scale, grad, debug_mask=False, cum_seq=None):
-    """``(prepared, reason)`` for a dense SDPA call (forward or backward): :func:`_dense_gap` first, then :func:`_resolve`."""
+    """``(served, reason)`` for a dense SDPA call (forward or backward): :func:`_dense_gap` first, then :func:`_resolve`."""
     reason = _dense_gap(attn_bias, dropout_p, debug_mask=debug_mask, cum_seq=cum_seq)
     if reason is not None:
         return None, reason
@@ -113,7 +124,7 @@ def sdpa_forward(query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0
     """
     S_q, S_kv = query.size(-2), key.size(-2)
     # F.scaled_dot_product_attention asks for the LSE exactly when a backward will follow.
-    prepared, reason = _dense_resolve(
+    served, reason = _dense_resolve(
         query, key, value, attn_bias, dropout_p, is_causal=is_causal, scale=scale, grad=compute_log_sumexp, debug_mask=return_debug_mask
     )
     if reason is not None:
@@ -121,7 +132,7 @@ def sdpa_forward(query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0
         return torch.ops.aten._cudnn_attention_forward(
             query, key, value, attn_bias, None, None, S_q, S_kv, compute_log_sumexp, dropout_p, is_causal, return_debug_mask, scale=scale
         )
-    out, lse = _forward(prepared)
+    out, lse = _forward(served)
     count_provider("sdpa_forward")
     B, H = query.shape[0], query.shape[1]
     if not compute_log_sumexp:
@@ -156,9 +167,7 @@ def sdpa_backward(
     scale=None,
 ):
     """``aten::_scaled_dot_product_cudnn_attention_backward`` on CUDA: ``(dq, dk, dv)``."""
-    prepared, reason = _dense_resolve(
-        query, key, value, attn_bias, dropout_p, is_causal=is_causal, scale=scale, grad=True, cum_seq=cum_seq_q
-    )
+    served, reason = _dense_resolve(query, key, value, attn_bias, dropout_p, is_causal=is_causal, scale=scale, grad=True, cum_seq=cum_seq_q)
     if reason is not None:
         count_provider("torch_backward", reason)
         return torch.ops.aten._cudnn_attention_backward(
@@ -182,7 +191,7 @@ def sdpa_backward(
     lse_BHS = logsumexp.squeeze(-1) if logsumexp.dim() == 4 else logsumexp
     # torch's autograd formula for this op declares its LSE non-differentiable (F.scaled_dot_product_attention
     # returns none), so there is no grad_lse.
-    dq, dk, dv, _ = _backward(prepared, grad_out, out, lse_BHS)
+    dq, dk, dv, _ = _backward(served, grad_out, out, lse_BHS)
     count_provider("sdpa_backward")
     return _unfold_dq(dq, scale, query.shape[-1]), dk, dv
 
@@ -306,11 +315,11 @@ def _varlen_kernel(name: str, signature: VarlenSignature, torch_kernel):
 
     def kernel(*args, **kwargs):
         call = _loose_maxima_clamped(signature.bind(args, kwargs))
-        prepared, reason = _varlen_resolve(call)
+        served, reason = _varlen_resolve(call)
         if reason is not None:
             count_provider(f"torch_{direction}", reason)
             return torch_kernel(*args, **kwargs)
-        return serve(call, prepared)
+        return serve(call, served)
 
     # Named for its op: every kernel is otherwise "kernel" in tracebacks and profiles.
     kernel.__name__ = kernel.__qualname__ = f"cudnn_attention_{name.lstrip('_')}"
@@ -331,8 +340,8 @@ def _loose_maxima_clamped(call: VarlenCall) -> VarlenCall:
     return call._replace(max_q=tokens_q if loose_q else call.max_q, max_k=tokens_k if loose_k else call.max_k)
 
 
-def _varlen_resolve(call: VarlenCall) -> tuple[Prepared | None, str | None]:
-    """``(prepared, reason)`` for a varlen call (forward or backward)."""
+def _varlen_resolve(call: VarlenCall) -> tuple[_Served | None, str | None]:
+    """``(served, reason)`` for a varlen call (forward or backward)."""
     if call.unknown:
         return None, f"arguments this version of cudnn_attention does not know: {', '.join(call.unknown)}"
     if call.seqused_k is not None or call.block_table is not None:
@@ -358,51 +367,56 @@ def _varlen_resolve(call: VarlenCall) -> tuple[Prepared | None, str | None]:
     )
 
 
-def _forward(prepared: Prepared):
-    """``(out, lse)`` of a prepared call through the forward op (the provider's kernels sit below torch's autograd); a
-    batch past cuDNN's grid limit in chunks, a call whose backward passes its element limit in head groups (:func:`_parts`),
-    ``lse`` None unless asked for then."""
-    parts, pieces = _parts(prepared)
-    if pieces is not None:
-        return pieces.joined([_forward(part) for part in parts])
-    return torch.ops.cudnn_attention.forward(
-        prepared.q, prepared.k, prepared.v, need_lse=prepared.call.need_lse, **op_args(prepared.call, prepared.lengths, None)
-    )
+def _forward(served: _Served):
+    """``(out, lse)`` of a served call through the forward op (the provider's kernels sit below torch's autograd), one
+    launch per part (a batch past cuDNN's grid limit in chunks, a call whose backward passes its element limit in head
+    groups), ``lse`` None unless asked for then."""
+    results = [
+        torch.ops.cudnn_attention.forward(part.q, part.k, part.v, need_lse=part.call.need_lse, **op_args(part.call, part.lengths, None))
+        for part in served.parts
+    ]
+    return results[0] if served.pieces is None else served.pieces.joined(results)
 
 
-def _backward(prepared: Prepared, grad_out, out, lse):
-    """dQ, dK, dV through the backward op (in batch chunks or head groups where :func:`_parts` says so; the incoming
-    gradient, output and LSE cut alike). torch's autograd formulas for these ops declare their LSE non-differentiable
-    and ignore its gradient, so there is none to pass on."""
-    parts, pieces = _parts(prepared)
-    if pieces is batch_chunks:
+def _backward(served: _Served, grad_out, out, lse):
+    """dQ, dK, dV through the backward op, one launch per part (the incoming gradient, output and LSE cut alike: batch
+    chunks slice them, head groups lay them out as each group's forward would have, :func:`~cudnn_attention.head_groups.saved_heads`).
+    torch's autograd formulas for these ops declare their LSE non-differentiable and ignore its gradient, so there is
+    none to pass on."""
+    parts, pieces = served.parts, served.pieces
+    if pieces is None:
+        rows = [(grad_out, out, lse)]
+    elif pieces is head_groups:
+        rows = head_groups.saved_heads(parts, grad_out, out, lse)
+    else:
         rows = zip(*(split_evenly(t, len(parts), 0) for t in (grad_out, out, lse)))
-        return pieces.joined([_backward(part, *row) for part, row in zip(parts, rows)])
-    if pieces is head_groups:
-        return pieces.joined([_backward(part, *saved) for part, saved in zip(parts, head_groups.saved_heads(parts, grad_out, out, lse))])
-    return cudnn_backward(grad_out, prepared.q, prepared.k, prepared.v, out, lse, call=prepared.call, lengths=prepared.lengths)
+    results = [
+        cudnn_backward(grad_part, part.q, part.k, part.v, out_part, lse_part, call=part.call, lengths=part.lengths)
+        for part, (grad_part, out_part, lse_part) in zip(parts, rows)
+    ]
+    return results[0] if pieces is None else pieces.joined(results)
 
 
-def _serve_forward(call: VarlenCall, prepared: Prepared):
+def _serve_forward(call: VarlenCall, served: _Served):
     """``_varlen_attn``: ``(out (T, H, D), lse (H, T) float32, rng_state (2,) uint64)``."""
-    out, lse_TH = _forward(prepared)
+    out, lse_TH = _forward(served)
     count_provider("varlen_forward")
     # torch's varlen LSE is (H, T), contiguous (its fake kernel allocates it so). No dropout: torch's own body returns
     # a zero RNG state here too.
-    return out, lse_TH.t().contiguous(), torch.zeros((2,), dtype=torch.uint64, device=prepared.q.device)
+    return out, lse_TH.t().contiguous(), torch.zeros((2,), dtype=torch.uint64, device=out.device)
 
 
-def _serve_forward_out(call: VarlenCall, prepared: Prepared):
+def _serve_forward_out(call: VarlenCall, served: _Served):
     """``_varlen_attn_out``: writes ``out`` and returns ``lse`` (H, T)."""
-    result, lse_TH = _forward(prepared)
+    result, lse_TH = _forward(served)
     count_provider("varlen_forward")
     call.out.copy_(result)
     return lse_TH.t().contiguous()
 
 
-def _serve_backward(call: VarlenCall, prepared: Prepared):
+def _serve_backward(call: VarlenCall, served: _Served):
     """``_varlen_attn_backward``: ``(dq, dk, dv)``."""
-    dq, dk, dv, _ = _backward(prepared, call.grad_out, call.out, call.lse.t().contiguous())
+    dq, dk, dv, _ = _backward(served, call.grad_out, call.out, call.lse.t().contiguous())
     count_provider("varlen_backward")
     return _unfold_dq(dq, call.scale, call.query.shape[-1]), dk, dv
 
