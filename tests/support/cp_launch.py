@@ -79,5 +79,10 @@ def main() -> None:
         module, function = SUITES[name].split(":")
         results = getattr(importlib.import_module(module), function)(rank, world_size)
         Path(work, f"rank{rank}.json").write_text(json.dumps(results))
+        # A rank that has finished must not exit while another is still connecting a group it created last: gloo
+        # connects a new group's pairs without a closing handshake, so rank 0 could return from init_device_mesh, write
+        # its results and close its sockets while rank 1 was still in connectFullMesh ("Connection closed by peer", seen
+        # once in CI on a loaded 2-core machine). The barrier holds every rank until the last has finished its suite.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
