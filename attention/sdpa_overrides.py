@@ -5,7 +5,7 @@ autograd: torch's own autograd formula for each op still runs, saves what these 
 calls the (also overridden) backward. Each kernel therefore returns exactly what torch's kernel
 returns (shapes from torch's meta/fake kernels, so compiled graphs plan for the real tensors).
 
-_Served on ``torch.ops.cudnn_attention.forward``/``backward``: calls without attention bias, dropout
+Served on ``torch.ops.cudnn_attention.forward``/``backward``: calls without attention bias, dropout
 or a debug mask that :func:`cudnn_attention.plan.resolve` accepts (the same one
 predicate for both directions that :func:`cudnn_attention.attention` uses, so a call never starts
 here and finishes elsewhere). Everything else runs torch's own implementation, and is counted
