@@ -24,7 +24,7 @@ from .frontend import cudnn_version
 from .layouts import joined_results, split_evenly
 from .plan import device_unservable_reason
 
-__all__ = ["chunk_count", "chunks", "grid_limited_on", "joined"]
+__all__ = ["chunk_count", "chunks", "grid_limited_on", "joined", "joined_gradients"]
 
 
 def chunk_count(prepared: Prepared) -> int:
@@ -72,3 +72,9 @@ def joined(parts: list) -> tuple:
     """The whole call's results from its chunks' result tuples, joined along the batch in the memory order of the first's
     (:func:`~cudnn_attention.layouts.joined_results`)."""
     return joined_results(parts, 0)
+
+
+def joined_gradients(chunks: list[Prepared], results: list[tuple]) -> tuple:
+    """The whole call's ``(dq, dk, dv, dsinks)`` from its chunks' (the provider's backward op, below autograd), joined
+    along the batch: the provider's dense ops carry no sinks, whose gradient the chunks would share."""
+    return joined(results)

@@ -284,8 +284,9 @@ ERRATA = (
         workaround=(
             "a call whose backward would pass it runs on cuDNN as head groups that each stay below (cudnn_attention."
             "head_groups: each group of query heads with the kv heads it reads and its sinks, views of dense tensors and "
-            "compact copies of packed ones; the output is copied once more); a backward graph past it is refused before "
-            "it is built, so a call no grouping brings below (one kv head's share still past it) takes the exact path "
+            "compact copies of packed ones; where one kv head's queries are past it, as in MQA, groups of them share that "
+            "kv head and their dK and dV are added; the output is copied once more); a backward graph past it is refused "
+            "before it is built, so a call no grouping brings below (one query head still past it) takes the exact path "
             "(counted, warned about once, refused in strict mode)"
         ),
         test="tests/unit/test_head_groups.py, tests/gpu/test_gpu_head_groups.py, tests/gpu/test_gpu_large_offsets.py, "

@@ -394,7 +394,8 @@ def _backward(served: _Served, grad_out, out, lse):
         cudnn_backward(grad_part, part.q, part.k, part.v, out_part, lse_part, call=part.call, lengths=part.lengths)
         for part, (grad_part, out_part, lse_part) in zip(parts, rows)
     ]
-    return results[0] if pieces is None else pieces.joined(results)
+    # Head groups may share a kv head (MQA), whose dK and dV are then the sum of theirs (joined_gradients).
+    return results[0] if pieces is None else pieces.joined_gradients(parts, results)
 
 
 def _serve_forward(call: VarlenCall, served: _Served):

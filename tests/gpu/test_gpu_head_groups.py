@@ -35,12 +35,14 @@ def _check(name, got, reference):
         assert_within_lowp_noise(f"{name} {tensor}", mine, want, base)
 
 
-def test_a_packed_call_with_sinks_runs_as_head_groups(low_limit):
-    # 512 x 8 heads x 64 = 262,144 elements; groups of one head (32,768) are the first that fit: 8 groups.
+@pytest.mark.parametrize("H_kv", [8, 2, 1], ids=["MHA", "GQA-4", "MQA"])
+def test_a_packed_call_with_sinks_runs_as_head_groups(low_limit, H_kv):
+    # 512 x 8 heads x 64 = 262,144 elements; groups of one head (32,768) are the first that fit: 8 groups. With fewer kv
+    # heads the groups of one kv head's queries share it (MQA: all eight), and their dK and dV add up.
     cu = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
     T, H, D = sum(LENGTHS), 8, 64
     torch.manual_seed(0)
-    q, k, v = (torch.randn(T, H, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    q, k, v = (torch.randn(T, heads, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for heads in (H, H_kv, H_kv))
     sinks = torch.randn(H, device="cuda", requires_grad=True)
     grad_out = torch.randn(T, H, D, device="cuda", dtype=torch.bfloat16)
     cudnn_attention.reset_stats()

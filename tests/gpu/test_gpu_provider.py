@@ -124,11 +124,13 @@ def test_compiled_sdpa_runs_on_our_op():
         torch.testing.assert_close(got, want)
 
 
-def _dense_op_in_pieces(shape, launches):
-    """The provider's dense op, causal and strict, on bf16 data of ``shape``: one provider call each way, served in
-    ``launches`` cuDNN launches each way, within the rule against an fp32 reference."""
+def _dense_op_in_pieces(shape, launches, *, kv_heads=None):
+    """The provider's dense op, causal and strict, on bf16 data of ``shape`` (k and v with ``kv_heads`` heads, by default
+    q's): one provider call each way, served in ``launches`` cuDNN launches each way, within the rule against an fp32
+    reference."""
     torch.manual_seed(0)
-    q, k, v = (torch.randn(shape, device=DEVICE, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    kv_shape = (shape[0], kv_heads or shape[1], *shape[2:])
+    q, k, v = (torch.randn(size, device=DEVICE, dtype=torch.bfloat16, requires_grad=True) for size in (shape, kv_shape, kv_shape))
     grad_out = torch.randn(shape, device=DEVICE, dtype=torch.bfloat16)
     cudnn_attention.reset_stats()
     with cudnn_attention.enabled(), cudnn_attention.strict():
@@ -155,15 +157,17 @@ def test_a_batch_past_the_grid_limit_is_served_in_chunks():
     _dense_op_in_pieces((65536, 2, 16, 32), launches=2)
 
 
-def test_a_backward_past_the_element_limit_is_served_in_head_groups(monkeypatch):
+@pytest.mark.parametrize("kv_heads", [8, 1], ids=["MHA", "MQA"])
+def test_a_backward_past_the_element_limit_is_served_in_head_groups(monkeypatch, kv_heads):
     # Entry backward-past-2**31-elements with its limit lowered to 40,000 (the real one is test_gpu_large_offsets.py's):
-    # B 2 x S 128 x 8 heads x 64 = 131,072 elements, 4 groups of 2 heads (32,768) fit. Graphs and verdicts built under
-    # the lowered limit are forgotten after, or a refusal kept would send other tests' calls to the exact path.
+    # B 2 x S 128 x 8 heads x 64 = 131,072 elements, 4 groups of 2 heads (32,768) fit; MQA's four share the one kv head,
+    # whose dK and dV the backward op adds up. Graphs and verdicts built under the lowered limit are forgotten after, or a
+    # refusal kept would send other tests' calls to the exact path.
     monkeypatch.setattr(errata, "ELEMENT_LIMIT", 40_000)
     monkeypatch.setattr(head_groups, "element_limited_on", lambda device_type: True)
     cudnn_graphs.clear_cache()
     try:
-        _dense_op_in_pieces((2, 8, 128, 64), launches=4)
+        _dense_op_in_pieces((2, 8, 128, 64), launches=4, kv_heads=kv_heads)
     finally:
         cudnn_graphs.clear_cache()
 

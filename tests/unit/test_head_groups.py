@@ -83,6 +83,60 @@ def test_a_grouped_call_gives_the_whole_calls_results(small_limit, monkeypatch, 
     assert out.stride() == whole_out.stride() and lse.stride() == whole_lse.stride()
 
 
+@pytest.mark.parametrize(
+    "leaves, packed, groups",
+    [
+        (lambda: _dense(H_kv=1), False, 2),  # MQA: two groups of four query heads share the one kv head
+        (lambda: _dense(bshd=True, H_kv=1), False, 2),
+        (lambda: _packed(H_kv=1), True, 4),  # four groups of two share it
+        (lambda: _packed(H_kv=2), True, 4),  # GQA whose one kv head's share (2,048) is past it: two groups per kv head
+    ],
+    ids=["MQA-BHSD", "MQA-BSHD", "MQA-packed", "GQA-packed"],
+)
+def test_groups_that_share_a_kv_head_give_the_whole_calls_results(small_limit, monkeypatch, leaves, packed, groups):
+    q, k, v, sinks = leaves()
+    out, lse, grads = _run(q, k, v, sinks, packed, causal=True)
+    assert small_limit["launch"] == groups
+    monkeypatch.setattr(errata, "ELEMENT_LIMIT", 2**31)
+    whole_out, whole_lse, whole_grads = _run(q, k, v, sinks, packed, causal=True)
+    assert small_limit["launch"] == groups + 1
+    torch.testing.assert_close(out, whole_out, rtol=0, atol=0)
+    torch.testing.assert_close(lse, whole_lse, rtol=0, atol=0)
+    for name, got, want in zip(("dq", "dk", "dv", "dsinks"), grads, whole_grads):
+        # A shared kv head's dK and dV are the sum of its groups' gradients, each rounded to float16 by its own
+        # kernel: within a float16 rounding of the whole call's, which rounds the sum once. The rest is per query head.
+        shared = name in ("dk", "dv")
+        atol = torch.finfo(torch.float16).eps * want.abs().max().item() if shared else 0
+        torch.testing.assert_close(got, want, rtol=0, atol=atol, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_groups_that_share_a_kv_head_hold_the_same_tensor():
+    # One copy of a kv head serves every group that reads it, so a packed kv head is copied once, and the provider's
+    # backward (joined_gradients) finds the groups whose dK and dV it adds up.
+    q, k, v, sinks = (t.detach() for t in _packed(H=8, H_kv=2))
+    call = AttentionCall(packed=True, max_seqlen_q=12, max_seqlen_kv=12, scale=1.0)
+    parts = head_groups.groups(Prepared(call, q, k, v, sinks, None), 4)
+    assert [(part.q.shape[1], part.k.shape[1]) for part in parts] == [(2, 1)] * 4
+    assert parts[0].k is parts[1].k and parts[2].v is parts[3].v and parts[1].k is not parts[2].k
+    torch.testing.assert_close(parts[3].k, k[:, 1:], rtol=0, atol=0)
+    torch.testing.assert_close(parts[3].q, q[:, 6:], rtol=0, atol=0)
+
+
+def test_the_providers_join_adds_shared_kv_gradients_in_float32():
+    # Three groups share the one kv head: their float16 dK add up in float32, rounded once. Summed in float16, each
+    # addition would round: 1 + 2**-11 + 2**-11 gives 1 that way, 1 + 2**-10 this way.
+    q, k, v, sinks = (t.detach() for t in _packed(H=6, H_kv=1))
+    call = AttentionCall(packed=True, max_seqlen_q=12, max_seqlen_kv=12, scale=1.0)
+    parts = head_groups.groups(Prepared(call, q, k, v, None, None), 3)
+    ones = torch.ones(24, 1, 8, dtype=torch.float16)
+    results = [(torch.zeros(24, 2, 8, dtype=torch.float16), ones * step, ones * step, None) for step in (1, 2**-11, 2**-11)]
+    dq, dk, dv, dsinks = head_groups.joined_gradients(parts, results)
+    assert dq.shape == (24, 6, 8) and dsinks is None
+    for summed in (dk, dv):
+        assert summed.shape == (24, 1, 8) and summed.dtype == torch.float16
+        assert torch.equal(summed, torch.full_like(summed, 1 + 2**-10))
+
+
 def test_groups_are_views_each_with_the_kv_heads_its_queries_read():
     q, k, v, sinks = (t.detach() for t in _dense(H=8, H_kv=2))
     call = AttentionCall(packed=False, max_seqlen_q=12, max_seqlen_kv=12, scale=1.0)
@@ -128,9 +182,14 @@ def test_the_fewest_groups_that_fit_and_only_where_the_limit_applies(small_limit
     assert head_groups.group_count(_prepared(S=6)) == 1  # 768: within it
     assert head_groups.group_count(_prepared(needs_grad=False)) == 1  # the forward was right past the limit
     assert head_groups.group_count(_prepared(dtype=torch.float32)) == 1  # the exact path serves it whole anyway
-    # H_kv 1: no grouping splits the one kv head's queries, so the call stays whole and the table refuses its backward.
-    assert head_groups.group_count(_prepared(H=8, H_kv=1)) == 1
-    assert head_groups.group_count(_prepared(S=48, H_kv=2)) == 1  # one kv head's share (3,072) still past it
+    # H_kv 1 (MQA): the one kv head's queries in two groups that share it.
+    assert head_groups.group_count(_prepared(H=8, H_kv=1)) == 2
+    # One kv head's share (3,072) still past it: each kv head's queries in four groups of one (768).
+    assert head_groups.group_count(_prepared(S=48, H_kv=2)) == 8
+    assert head_groups.group_count(_prepared(S=48, H=6, H_kv=2)) == 6  # 3 and 4 groups would cut a kv head's share unevenly
+    # One query head (1,536) still past it: no grouping brings it below, so the call stays whole and the table refuses
+    # its backward.
+    assert head_groups.group_count(_prepared(S=96, H_kv=1)) == 1
     monkeypatch.setattr(head_groups, "element_limited_on", lambda device_type: False)
     assert head_groups.group_count(_prepared()) == 1
 

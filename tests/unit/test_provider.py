@@ -269,6 +269,37 @@ def test_a_call_past_a_cudnn_limit_is_served_in_pieces(cpu_kernels, monkeypatch,
     assert provider_stats["sdpa_forward"] == provider_stats["sdpa_backward"] == 2 and not provider_stats["torch_forward"]
 
 
+def test_head_groups_that_share_a_kv_head_add_its_gradients(cpu_kernels, monkeypatch):
+    # MQA past a lowered element limit (B 2 x S 16 x 4 query heads x 8 = 1,024 past 1,000): two groups of two query
+    # heads share the one kv head, and the backward op adds their dK and dV (head_groups.joined_gradients).
+    monkeypatch.setattr(errata, "ELEMENT_LIMIT", 1000)
+    monkeypatch.setattr(head_groups, "element_limited_on", lambda device_type: True)
+    cut, returned = [], []
+    split, backward = head_groups.groups, sdpa_overrides._backward
+    monkeypatch.setattr(head_groups, "groups", lambda prepared, n: cut.append(n) or split(prepared, n))
+    # What the backward op returns, before torch's autograd would sum a gradient of (2, 2, 16, 8) into k's (2, 1, 16, 8).
+    monkeypatch.setattr(sdpa_overrides, "_backward", lambda *args: returned.append(backward(*args)) or returned[-1])
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 16, heads, 8, generator=generator).half().transpose(1, 2).requires_grad_() for heads in (4, 1, 1))
+    grad_out = torch.randn(q.shape, generator=generator).half()
+
+    def run():
+        out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, is_causal=True)[:2]
+        return out, lse, torch.autograd.grad(out, (q, k, v), grad_out)
+
+    out, lse, grads = run()
+    assert cut == [2, 2], cut
+    assert [tuple(t.shape) for t in returned[0][:3]] == [(2, 4, 16, 8), (2, 1, 16, 8), (2, 1, 16, 8)]
+    monkeypatch.setattr(errata, "ELEMENT_LIMIT", 2**31)
+    whole_out, whole_lse, whole_grads = run()
+    assert cut == [2, 2]
+    for got, want in zip((out, lse, grads[0]), (whole_out, whole_lse, whole_grads[0])):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for got, want in zip(grads[1:], whole_grads[1:]):
+        # Each group's dK and dV rounded to float16 by its kernel, then added in float32: within a float16 rounding.
+        torch.testing.assert_close(got, want, rtol=0, atol=torch.finfo(torch.float16).eps * want.abs().max().item())
+
+
 def test_dense_op_without_grad_returns_a_full_size_lse(cpu_kernels):
     q, k, v = (t.detach() for t in _qkv(1, 2, 8, 8))
     out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, False)[:2]
