@@ -7,7 +7,7 @@ user's torch still run right when a newer cuDNN is loaded under it (``cudnn-atte
 torch's test files do not ship in its wheel, so this is the stand-in for its own SDPA tests: a grid of shapes (B, H,
 S_q, S_kv, D, causal, bf16 and fp16, an additive float mask, non-contiguous inputs, GQA through ``enable_gqa``) and the
 adversarial rows of ``tests/support/adversarial.py`` (every score of a row near -100 below zero; cuDNN < 9.26's Hopper
-backward writes NaN into dQ there when S_kv is 64 mod 128, errata entry ``dense-negative-lse-dq``). Each row runs
+backward writes NaN into dQ there when S_kv is 64 mod 128, errata entry ``dq-nan-kv-64-mod-128``). Each row runs
 forward and backward through torch's cuDNN backend alone and through its math backend at the same precision, both
 against a float64 math reference. A row passes when every tensor's error is within FlashAttention's rule: at most
 2x the math backend's error plus 1e-3 of the tensor's largest magnitude (a NaN or Inf fails it: no row of the grid
